@@ -1,0 +1,144 @@
+"""Seeded synthetic checkpoints: real random weights (not vLLM's degenerate dummy load), cached.
+
+The folder is keyed by (config, seed, logit_scale, recipe) and identified in the trace by the
+sha256 of its weight files. With real weights on disk, the task points at them instead.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from pydantic import BaseModel
+
+RECIPE = "hf-from-config-v1"
+MANIFEST = "nightshift-checkpoint.json"
+SHARED_KV_SHARD = "model-shared-kv.safetensors"
+SPECIAL_TOKENS = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>"}
+
+
+class CheckpointInfo(BaseModel):
+    path: Path
+    sha256: str
+    params: int = 0
+    seed: int | None = None
+    logit_scale: float | None = None
+    seconds: float = 0.0
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("NIGHTSHIFT_CACHE", Path.home() / ".cache" / "nightshift"))
+
+
+def weights_sha256(folder: Path) -> str:
+    digest = hashlib.sha256()
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        digest.update(file.name.encode())
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def real_checkpoint(folder: Path) -> CheckpointInfo:
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {folder} has no config.json")
+    return CheckpointInfo(path=folder, sha256=weights_sha256(folder))
+
+
+def ensure_synthetic(config_path: Path, seed: int, logit_scale: float = 1.0,
+                     dtype: str = "bfloat16", cache: Path | None = None) -> CheckpointInfo:
+    """Write the checkpoint once per (config, seed, scale); later calls return the cached one."""
+    config = json.loads(Path(config_path).read_text())
+    key = hashlib.sha256(json.dumps(
+        {"config": config, "seed": seed, "logit_scale": logit_scale, "dtype": dtype, "recipe": RECIPE},
+        sort_keys=True).encode()).hexdigest()[:16]
+    folder = (cache or cache_root() / "models") / f"synthetic-{key}"
+    manifest = folder / MANIFEST
+    if manifest.is_file():
+        return CheckpointInfo.model_validate_json(manifest.read_text())
+    staging = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    started = time.time()
+    params = write_synthetic(config, staging, seed, logit_scale, dtype)
+    info = CheckpointInfo(path=folder, sha256=weights_sha256(staging), params=params, seed=seed,
+                          logit_scale=logit_scale, seconds=round(time.time() - started, 2))
+    (staging / MANIFEST).write_text(info.model_dump_json(indent=2))
+    shutil.rmtree(folder, ignore_errors=True)
+    staging.rename(folder)
+    return info
+
+
+def write_synthetic(config: dict, out: Path, seed: int, logit_scale: float, dtype: str) -> int:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    hf_config = AutoConfig.from_pretrained(out)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(logit_scale)
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(out)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    add_shared_kv_tensors(out)
+    write_synthetic_tokenizer(out, config["vocab_size"])
+    return params
+
+
+def add_shared_kv_tensors(folder: Path) -> int:
+    """vLLM's loader expects K/V projections and k_norm on KV-shared layers; transformers omits them."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    layers, shared = cfg["num_hidden_layers"], cfg.get("num_kv_shared_layers") or 0
+    if not shared:
+        return 0
+    types, first = cfg["layer_types"], layers - shared
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.is_file() else None
+    if index:
+        where = index["weight_map"]
+    else:
+        with safe_open(folder / "model.safetensors", "pt") as f:
+            where = {k: "model.safetensors" for k in f.keys()}
+    extra = {}
+    for i in range(first, layers):
+        source = max(j for j in range(first) if types[j] == types[i])
+        for weight in ("k_proj.weight", "v_proj.weight", "k_norm.weight"):
+            name = f"model.layers.{i}.self_attn.{weight}"
+            source_name = f"model.layers.{source}.self_attn.{weight}"
+            if name in where or source_name not in where:
+                continue
+            with safe_open(folder / where[source_name], "pt") as f:
+                extra[name] = f.get_tensor(source_name).clone()
+    if extra:
+        save_file(extra, folder / SHARED_KV_SHARD, metadata={"format": "pt"})
+        if index:
+            index["weight_map"].update({k: SHARED_KV_SHARD for k in extra})
+            index_path.write_text(json.dumps(index, indent=2))
+    return len(extra)
+
+
+def write_synthetic_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A WordLevel tokenizer where word `t<id>` is token <id>: enough for token-id prompts."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {SPECIAL_TOKENS.get(i, f"t{i}"): i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", 2)])
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS.values()))
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+        "pad_token": "<pad>", "unk_token": "<unk>", "model_max_length": 131072,
+        "clean_up_tokenization_spaces": False}, indent=2))

@@ -1,0 +1,46 @@
+"""What a proposer is: something that, given the run so far, proposes the next candidate."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from agent.task import Task
+from traces.schema import AnyEvent, Decision, Proposal
+
+
+@dataclass
+class Attempt:
+    proposal: Proposal
+    decision: Decision
+    parity_detail: str = ""
+
+
+@dataclass
+class ProposalContext:
+    """Everything a proposer may see. The parity seed and reference outputs are not in it."""
+
+    task: Task
+    candidate: int
+    checkout: Path
+    """A read-only view of the incumbent's source tree (the run branch's head)."""
+    incumbent_args: dict[str, Any]
+    history: list[Attempt] = field(default_factory=list)
+    best_speedup: float = 1.0
+    branch_diff: str = ""
+    record: Callable[[AnyEvent], str] = lambda event: ""
+    """Append an event (e.g. an LLM call) to the trace; returns its sha256."""
+
+
+class ProposerExhausted(Exception):
+    """The proposer has nothing more to propose, or its own budget is spent."""
+
+
+class Proposer(Protocol):
+    name: str
+
+    def propose(self, ctx: ProposalContext) -> Proposal:
+        """The next candidate. Raises ProposerExhausted when there is none."""
+
+    def observe(self, attempt: Attempt) -> None:
+        """Learn from how the last proposal ended."""

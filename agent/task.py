@@ -1,0 +1,182 @@
+"""The task: what to optimize, how to check it, and when to stop. Loaded from YAML, strictly."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+Scalar = Union[bool, int, float, str, None]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Target(Strict):
+    vllm_version: str
+    checkout: Path | None = None
+    """A git clone of vLLM at that version; unset means `nightshift checkout`'s default folder."""
+
+
+class SyntheticModel(Strict):
+    config: Path
+    seed: int = 0
+    logit_scale: float = Field(1.0, gt=0)
+    """Multiplies the tied embedding so that top-1/top-2 logit margins are realistic."""
+
+
+class ModelSpec(Strict):
+    path: Path | None = None
+    synthetic: SyntheticModel | None = None
+    dtype: str = "bfloat16"
+    max_model_len: int = Field(2048, gt=0)
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self):
+        if (self.path is None) == (self.synthetic is None):
+            raise ValueError("set exactly one of model.path (real weights) or model.synthetic")
+        return self
+
+
+class Engine(Strict):
+    args: dict[str, Scalar] = Field(default_factory=dict)
+    """Baseline `vllm serve` arguments, without the leading dashes (max_num_seqs: 8)."""
+    env: dict[str, str] = Field(default_factory=dict)
+    startup_timeout_s: float = Field(600, gt=0)
+
+
+class Workload(Strict):
+    num_prompts: int = Field(gt=0)
+    input_len: int = Field(gt=0)
+    output_len: int = Field(gt=0)
+    concurrency: int | None = Field(None, gt=0)
+    """Requests in flight at once; unset sends them all together."""
+
+
+class Parity(Strict):
+    num_prompts: int = Field(gt=0)
+    input_len: int = Field(gt=0)
+    max_tokens: int = Field(gt=0)
+    regime: Literal["sequential", "one_batch"] = "sequential"
+    """sequential: one request at a time on both sides, so batches are identical."""
+    env: dict[str, str] = Field(default_factory=dict)
+    args: dict[str, Scalar] = Field(default_factory=dict)
+    """Extra env/args for the parity servers only (e.g. batch-invariant mode). When set, parity
+    runs on servers of its own, and the benchmark keeps the production configuration."""
+
+
+class Benchmark(Strict):
+    warmup_requests: int = Field(4, ge=0)
+    repetitions: int = Field(5, ge=2)
+    metric: Literal["total_tokens_per_s", "output_tokens_per_s"] = "total_tokens_per_s"
+    check_tokens: bool = False
+    """Also require the benchmark's tokens to equal the incumbent's (only if batching is invariant)."""
+    request_timeout_s: float = Field(300, gt=0)
+
+
+class Acceptance(Strict):
+    min_speedup: float = Field(1.02, ge=1.0)
+    confidence: float = Field(0.95, gt=0.5, lt=1.0)
+
+
+class EditSurface(Strict):
+    include: list[str] = Field(min_length=1)
+    exclude: list[str] = Field(default_factory=list)
+
+
+class Budget(Strict):
+    max_candidates: int = Field(gt=0)
+    wall_clock_s: float = Field(gt=0)
+    max_usd: float | None = Field(None, ge=0)
+    max_llm_tokens: int | None = Field(None, gt=0)
+
+
+class FlagsProposer(Strict):
+    kind: Literal["flags"] = "flags"
+    space: dict[str, list[Scalar]] = Field(min_length=1)
+    seed: int = 0
+
+
+class QueueProposer(Strict):
+    kind: Literal["queue"] = "queue"
+    patches: Path
+
+
+ProposerSpec = Annotated[Union[FlagsProposer, QueueProposer], Field(discriminator="kind")]
+
+
+class Sandbox(Strict):
+    backend: Literal["local", "docker"] = "local"
+    image: str = "nightshift-sandbox:cpu"
+    gpus: list[int] = Field(default_factory=list)
+    memory_gb: float = Field(8, gt=0)
+    cpus: float | None = Field(None, gt=0)
+    pids_limit: int = Field(4096, gt=0)
+    tmpfs_mb: int = Field(2048, gt=0)
+
+
+class Task(Strict):
+    name: str
+    description: str = ""
+    target: Target
+    model: ModelSpec
+    engine: Engine = Field(default_factory=Engine)
+    workload: Workload
+    parity: Parity
+    benchmark: Benchmark = Field(default_factory=Benchmark)
+    acceptance: Acceptance = Field(default_factory=Acceptance)
+    edit_surface: EditSurface
+    budget: Budget
+    proposer: ProposerSpec
+    sandbox: Sandbox = Field(default_factory=Sandbox)
+
+
+class TaskError(ValueError):
+    pass
+
+
+def _resolve_paths(task: Task, base: Path) -> Task:
+    def rel(p: Path | None) -> Path | None:
+        return p if p is None or p.is_absolute() else (base / p).resolve()
+
+    task.target.checkout = rel(task.target.checkout)
+    task.model.path = rel(task.model.path)
+    if task.model.synthetic:
+        task.model.synthetic.config = rel(task.model.synthetic.config)
+    if isinstance(task.proposer, QueueProposer):
+        task.proposer.patches = rel(task.proposer.patches)
+    return task
+
+
+def parse_task(data: Any, source: str = "<task>", base: Path | None = None) -> Task:
+    if not isinstance(data, dict):
+        raise TaskError(f"{source}: the task must be a mapping, got {type(data).__name__}")
+    try:
+        task = Task.model_validate(data)
+    except ValidationError as exc:
+        lines = [f"{source}: {exc.error_count()} problem(s)"]
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            lines.append(f"  {where}: {err['msg']}")
+        raise TaskError("\n".join(lines)) from None
+    return _resolve_paths(task, base or Path.cwd())
+
+
+def load_task(path: Path) -> Task:
+    path = Path(path)
+    if not path.is_file():
+        raise TaskError(f"task file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise TaskError(f"{path}: not valid YAML: {exc}") from None
+    return parse_task(data, str(path), path.parent)
+
+
+def with_overrides(task: Task, **sections: dict[str, Any]) -> Task:
+    data = task.model_dump(mode="json")
+    for name, values in sections.items():
+        data[name] = {**data.get(name, {}), **values} if isinstance(data.get(name), dict) else values
+    return parse_task(data, "<overrides>")

@@ -1,0 +1,85 @@
+"""The isolation boundary: a candidate vLLM runs as a server behind one of these backends.
+
+The harness only ever talks to a `Server` over HTTP (TCP on loopback, or a Unix socket); the
+clock, the prompts and the reference outputs stay on the harness side.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field
+
+Outcome = Literal["ok", "timeout", "oom", "crash"]
+
+SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL", "AUTH")
+
+
+class ServerSpec(BaseModel):
+    """What to run: `vllm serve` from `source_tree`, with the model and engine args given."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    labels: dict[str, str] = Field(default_factory=dict)
+    source_tree: Path
+    """A vLLM source tree whose compiled parts are linked in (see agent.build); put first on PYTHONPATH."""
+    model_dir: Path
+    served_model_name: str = "model"
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict)
+    startup_timeout_s: float = 600
+    gpus: list[int] = Field(default_factory=list)
+
+
+class SandboxError(RuntimeError):
+    def __init__(self, outcome: Outcome, message: str, logs: str = ""):
+        super().__init__(f"{outcome}: {message}")
+        self.outcome = outcome
+        self.logs = logs
+
+
+class Server(Protocol):
+    name: str
+
+    def client(self, timeout: float) -> httpx.AsyncClient:
+        """An HTTP client whose base URL reaches the server's OpenAI-compatible API."""
+
+    def sync_client(self, timeout: float) -> httpx.Client: ...
+
+    def imported_files(self) -> list[str]:
+        """Source files (paths relative to the source tree) that the server's processes imported."""
+
+    def logs(self, limit: int = 20_000) -> str: ...
+
+    def alive(self) -> bool: ...
+
+    def stop(self) -> Outcome:
+        """Stop and clean up; returns how the server ended."""
+
+
+class Sandbox(Protocol):
+    def start(self, spec: ServerSpec) -> Server:
+        """Start a server and wait until it answers; raises SandboxError(timeout|oom|crash)."""
+
+    def reap(self) -> int:
+        """Remove what a dead run left behind; returns how many leftovers were removed."""
+
+
+def clean_env(env: dict[str, str]) -> dict[str, str]:
+    """The environment minus anything that looks like a secret."""
+    return {k: v for k, v in env.items() if not any(m in k.upper() for m in SECRET_MARKERS)}
+
+
+def serve_argv(spec: ServerSpec) -> list[str]:
+    """`vllm serve` arguments for a spec; engine args are given without dashes (max_num_seqs: 8)."""
+    argv = ["serve", str(spec.model_dir), "--served-model-name", spec.served_model_name]
+    for key, value in spec.engine_args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is False:
+            argv.append("--no-" + key.replace("_", "-"))
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv

@@ -1,0 +1,151 @@
+"""Local-process backend: each server is its own process group with its own temp dirs and a
+minimal environment (no inherited secrets), killed as a group on timeout or stop."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from sandbox.base import Outcome, SandboxError, ServerSpec, clean_env, serve_argv
+
+RECORDER = Path(__file__).parent / "recorder"
+PASSED_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "LD_LIBRARY_PATH",
+              "CUDA_HOME")
+PASSED_PREFIXES = ("VLLM_", "NVIDIA_")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env(spec: ServerSpec, home: Path, import_log: Path, source_tree: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k in PASSED_ENV or k.startswith(PASSED_PREFIXES)}
+    env = clean_env(env)
+    env.update({
+        "HOME": str(home), "TMPDIR": str(home / "tmp"), "XDG_CACHE_HOME": str(home / "cache"),
+        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONPATH": f"{RECORDER}{os.pathsep}{source_tree}",
+        "NIGHTSHIFT_IMPORT_LOG": str(import_log), "NIGHTSHIFT_SOURCE_TREE": str(source_tree),
+        "PYTHONUNBUFFERED": "1",
+    })
+    env.update(clean_env(spec.env))
+    return env
+
+
+def classify_exit(returncode: int | None, logs: str) -> Outcome:
+    if returncode in (-signal.SIGKILL, 137) or "OutOfMemoryError" in logs or "Cannot allocate memory" in logs:
+        return "oom"
+    return "crash"
+
+
+class LocalServer:
+    def __init__(self, spec: ServerSpec, process: subprocess.Popen, port: int, home: Path, log: Path,
+                 import_log: Path):
+        self.name, self.spec, self.process, self.port = spec.name, spec, process, port
+        self.home, self.log, self.import_log = home, log, import_log
+
+    def client(self, timeout: float) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.port}", timeout=timeout)
+
+    def sync_client(self, timeout: float) -> httpx.Client:
+        return httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=timeout)
+
+    def imported_files(self) -> list[str]:
+        if not self.import_log.exists():
+            return []
+        return sorted(set(self.import_log.read_text().split()))
+
+    def logs(self, limit: int = 20_000) -> str:
+        if not self.log.exists():
+            return ""
+        with open(self.log, "rb") as f:
+            f.seek(max(0, self.log.stat().st_size - limit))
+            return f.read().decode(errors="replace")
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self) -> Outcome:
+        outcome: Outcome = "ok" if self.alive() else classify_exit(self.process.returncode, self.logs())
+        _kill_group(self.process)
+        shutil.rmtree(self.home / "tmp", ignore_errors=True)
+        return outcome
+
+
+def _kill_group(process: subprocess.Popen, grace_s: float = 15) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+class LocalSandbox:
+    def __init__(self, config=None, run_dir: Path | None = None):
+        self.config = config
+        self.root = Path(run_dir or Path.cwd()) / "servers"
+
+    def start(self, spec: ServerSpec) -> LocalServer:
+        home = self.root / spec.name
+        shutil.rmtree(home, ignore_errors=True)
+        (home / "tmp").mkdir(parents=True)
+        log, import_log = home / "server.log", home / "imports.txt"
+        port = free_port()
+        source_tree = Path(spec.source_tree).resolve()
+        argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", *serve_argv(spec),
+                "--host", "127.0.0.1", "--port", str(port)]
+        with open(log, "wb") as out:
+            process = subprocess.Popen(argv, cwd=home / "tmp", env=server_env(spec, home, import_log, source_tree),
+                                       stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       start_new_session=True)
+        (home / "pid").write_text(str(process.pid))
+        server = LocalServer(spec, process, port, home, log, import_log)
+        wait_healthy(server, spec.startup_timeout_s)
+        return server
+
+    def reap(self) -> int:
+        reaped = 0
+        for pid_file in self.root.glob("*/pid") if self.root.exists() else []:
+            try:
+                os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+                reaped += 1
+            except (ProcessLookupError, ValueError, PermissionError):
+                pass
+            pid_file.unlink(missing_ok=True)
+        return reaped
+
+
+def wait_healthy(server, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not server.alive():
+            logs = server.logs()
+            outcome = server.stop()
+            raise SandboxError(outcome if outcome != "ok" else "crash", "server exited during startup", logs)
+        try:
+            with server.sync_client(5) as client:
+                if client.get("/health").status_code == 200:
+                    return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    logs = server.logs()
+    server.stop()
+    raise SandboxError("timeout", f"server not healthy after {timeout_s:.0f}s", logs)

@@ -1,0 +1,92 @@
+"""Append-only, hash-chained JSONL.
+
+Each line starts with its own sha256 (computed with that field blank) and carries the sha256 of
+the line before it, so one changed byte is caught at the line that holds it."""
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from traces.schema import AnyEvent, Record
+
+GENESIS = "0" * 64
+_PREFIX = b'{"sha256":"'
+
+
+class TraceError(Exception):
+    def __init__(self, line: int, message: str):
+        super().__init__(f"trace line {line}: {message}")
+        self.line = line
+
+
+def _blank_hash(line: bytes) -> tuple[str, str]:
+    """(the sha256 the line claims, the sha256 of the line with that field blank)."""
+    if not line.startswith(_PREFIX) or line[len(_PREFIX) + 64:len(_PREFIX) + 66] != b'",':
+        return "", ""
+    claimed = line[len(_PREFIX):len(_PREFIX) + 64].decode("ascii", "replace")
+    blank = _PREFIX + b'",' + line[len(_PREFIX) + 66:]
+    return claimed, hashlib.sha256(blank).hexdigest()
+
+
+class TraceWriter:
+    """Writes one record per event, flushed and fsynced before `append` returns."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.seq, self.last_sha256 = 0, GENESIS
+        if self.path.exists() and self.path.stat().st_size:
+            records = read_trace(self.path)
+            self.seq, self.last_sha256 = len(records), records[-1].sha256
+        self._file = open(self.path, "ab")
+
+    def append(self, event: AnyEvent) -> str:
+        record = Record(seq=self.seq, time=time.time(), prev_sha256=self.last_sha256, event=event)
+        record.sha256 = hashlib.sha256(record.model_dump_json().encode()).hexdigest()
+        self._file.write(record.model_dump_json().encode() + b"\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self.seq += 1
+        self.last_sha256 = record.sha256
+        return record.sha256
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_trace(path: Path) -> list[Record]:
+    """Parse and verify the whole chain. Raises TraceError naming the first bad line (1-based)."""
+    data = Path(path).read_bytes()
+    if not data:
+        raise TraceError(1, "empty trace")
+    lines = data.split(b"\n")
+    if lines[-1] != b"":
+        raise_at = len(lines)
+    else:
+        lines, raise_at = lines[:-1], 0
+    records: list[Record] = []
+    prev = GENESIS
+    for index, line in enumerate(lines):
+        number = index + 1
+        if number == raise_at:
+            raise TraceError(number, "torn last line: the run stopped while writing it")
+        claimed, actual = _blank_hash(line)
+        if not claimed or claimed != actual:
+            raise TraceError(number, "record hash mismatch: the line was altered")
+        try:
+            record = Record.model_validate_json(line)
+        except ValidationError as exc:
+            raise TraceError(number, f"not a valid record: {exc.errors()[0]['msg']}") from None
+        if record.seq != index:
+            raise TraceError(number, f"sequence number {record.seq}, expected {index}")
+        if record.prev_sha256 != prev:
+            raise TraceError(number, "hash chain broken: prev_sha256 does not match the line before")
+        prev = record.sha256
+        records.append(record)
+    if records[0].event.kind != "run_started":
+        raise TraceError(1, "first record is not run_started")
+    return records

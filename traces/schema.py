@@ -1,0 +1,205 @@
+"""The trace event schema: every object that flows through the loop, in order.
+
+task -> Proposal -> PatchApplied -> Build -> ParityReport -> BenchReport -> Decision -> Commit
+
+Each is one pydantic model and one line of `trace.jsonl`. A rejection at any stage is a
+`Decision` whose `stage` names where it happened.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FORMAT_VERSION = 1
+
+Stage = Literal[
+    "proposal", "surface", "apply", "build", "start", "parity", "liveness", "benchmark", "decision",
+]
+Verdict = Literal["keep", "discard", "crash"]
+
+
+class Event(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RunStarted(Event):
+    kind: Literal["run_started"] = "run_started"
+    format_version: int = FORMAT_VERSION
+    run_id: str
+    nightshift_version: str
+    vllm_version: str
+    torch_version: str
+    python_version: str
+    platform: str
+    checkout: str
+    base_commit: str
+    branch: str
+    model_sha256: str
+    task: dict[str, Any]
+
+
+class SelfParity(Event):
+    """Baseline against a second, independently started baseline: the setup must be deterministic."""
+
+    kind: Literal["self_parity"] = "self_parity"
+    ok: bool
+    prompts: int
+    identical: int
+    regime: str
+    detail: str = ""
+
+
+class Proposal(Event):
+    kind: Literal["proposal"] = "proposal"
+    candidate: int
+    proposer: str
+    summary: str
+    patch: str = ""
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+
+class PatchApplied(Event):
+    kind: Literal["patch_applied"] = "patch_applied"
+    candidate: int
+    worktree: str
+    parent_commit: str
+    files: list[str]
+    engine_args: dict[str, Any]
+
+
+class Build(Event):
+    kind: Literal["build"] = "build"
+    candidate: int
+    tree: str
+    source_sha256: str
+    compiled_from: str
+    seconds: float
+
+
+class Divergence(BaseModel):
+    prompt_index: int
+    position: int
+    expected: int | None
+    got: int | None
+    expected_len: int
+    got_len: int
+
+
+class ParityReport(Event):
+    kind: Literal["parity"] = "parity"
+    candidate: int
+    ok: bool
+    regime: str
+    prompts: int
+    tokens_per_prompt: int
+    digest: str
+    divergence: Divergence | None = None
+
+
+class Sample(BaseModel):
+    """One timed pass of the workload against one server, measured by the harness."""
+
+    role: Literal["incumbent", "candidate"]
+    repetition: int
+    seconds: float
+    input_tokens: int
+    output_tokens: int
+    total_tokens_per_s: float
+    output_tokens_per_s: float
+    ttft_ms_p50: float | None = None
+    ttft_ms_p99: float | None = None
+    tpot_ms_p50: float | None = None
+    tpot_ms_p99: float | None = None
+
+
+class Liveness(BaseModel):
+    patched_files: list[str]
+    imported_patched: list[str]
+    imported_vllm_modules: int
+    imported_sha256: str
+
+
+class BenchReport(Event):
+    kind: Literal["benchmark"] = "benchmark"
+    candidate: int
+    metric: str
+    samples: list[Sample]
+    speedup: float
+    ci_low: float
+    ci_high: float
+    confidence: float
+    p_value: float
+    liveness: Liveness | None = None
+    output_check: str
+
+
+class Decision(Event):
+    kind: Literal["decision"] = "decision"
+    candidate: int
+    verdict: Verdict
+    stage: Stage
+    reason: str
+    speedup: float | None = None
+    ci_low: float | None = None
+    ci_high: float | None = None
+
+
+class Commit(Event):
+    kind: Literal["commit"] = "commit"
+    candidate: int
+    branch: str
+    commit: str
+    decision_sha256: str
+
+
+class LlmCall(Event):
+    kind: Literal["llm_call"] = "llm_call"
+    candidate: int
+    model: str
+    params: dict[str, Any]
+    messages: list[dict[str, Any]]
+    response: str | None
+    finish_reason: str | None
+    usage: dict[str, int] = Field(default_factory=dict)
+    cost_usd: float = 0.0
+    latency_s: float
+    error: str | None = None
+
+
+class ProposalInvalid(Event):
+    kind: Literal["proposal_invalid"] = "proposal_invalid"
+    candidate: int
+    reason: str
+
+
+class RunFinished(Event):
+    kind: Literal["run_finished"] = "run_finished"
+    reason: str
+    candidates: int
+    kept: int
+    best_speedup: float
+    head_commit: str
+    seconds: float
+    spend_usd: float = 0.0
+
+
+AnyEvent = Annotated[
+    Union[
+        RunStarted, SelfParity, Proposal, PatchApplied, Build, ParityReport, BenchReport, Decision,
+        Commit, LlmCall, ProposalInvalid, RunFinished,
+    ],
+    Field(discriminator="kind"),
+]
+
+
+class Record(BaseModel):
+    """One line of the trace: the event plus its place in the hash chain."""
+
+    model_config = ConfigDict(extra="forbid")
+    sha256: str = ""
+    seq: int
+    time: float
+    prev_sha256: str
+    event: AnyEvent
