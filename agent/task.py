@@ -104,7 +104,34 @@ class QueueProposer(Strict):
     patches: Path
 
 
-ProposerSpec = Annotated[Union[FlagsProposer, QueueProposer], Field(discriminator="kind")]
+class LlmPrice(Strict):
+    input_per_mtok: float = Field(0.0, ge=0)
+    output_per_mtok: float = Field(0.0, ge=0)
+    """US dollars per one million input (prompt) / output (completion) tokens."""
+
+
+class LlmProposer(Strict):
+    """An LLM at any OpenAI-compatible endpoint writes SEARCH/REPLACE edits (agent/proposers/llm.py)."""
+
+    kind: Literal["llm"] = "llm"
+    base_url: str
+    model: str
+    api_key_env: str | None = Field("OPENAI_API_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """The name of the environment variable that holds the key; the key itself is never stored."""
+    price: LlmPrice = Field(default_factory=LlmPrice)
+    temperature: float = Field(0.0, ge=0, le=2)
+    max_tokens: int = Field(2048, gt=0)
+    request_timeout_s: float = Field(120, gt=0)
+    max_retries: int = Field(4, ge=0, le=10)
+    retry_backoff_s: float = Field(1.0, gt=0, le=60)
+    repair_turns: int = Field(1, ge=0, le=2)
+    context_tokens: int = Field(12000, ge=1000)
+    attempts_per_proposal: int = Field(3, ge=1, le=10)
+    """LLM answers that may be invalid (unparseable, not applying, off-surface) before giving up."""
+    profile: bool = True
+
+
+ProposerSpec = Annotated[Union[FlagsProposer, QueueProposer, LlmProposer], Field(discriminator="kind")]
 
 
 class Sandbox(Strict):
