@@ -1,0 +1,487 @@
+"""The LLM proposer: reads the incumbent vLLM tree, asks an LLM for SEARCH/REPLACE edits, and
+hands the loop a checked unified diff.
+
+Per `propose`:
+  1. stop (ProposerExhausted) if the task's dollar or token cap would be passed;
+  2. build the request from prompt templates (agent/prompts/): the task's goal and numbers, the
+     baseline profile, the history, the branch diff, the edit-surface file map and the most
+     relevant files within the context token budget; or, after a build/parity failure of its
+     own last candidate, a bounded repair turn with the error or the divergence;
+  3. call the model (tenacity retries on transient faults), recording every attempt as `LlmCall`;
+  4. parse, apply exactly, surface-check and `git apply --check` the answer; anything wrong is
+     a `ProposalInvalid` with the reason, followed by a follow-up turn that says what was wrong,
+     up to `attempts_per_proposal` answers; then ProposerExhausted.
+
+The edit surface is enforced here by code (and again by the loop), never by the prompt:
+whatever a file of the checkout says, an edit outside the surface can not become a proposal.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from string import Template
+from typing import Any, Callable
+
+from agent.models import (
+    Completion, LlmError, LlmFatalError, Messages, Model, OpenAIModel, Price, Redactor,
+    complete_with_retries, estimate_tokens, messages_tokens,
+)
+from agent.proposers.base import Attempt, ProposalContext, ProposerExhausted
+from agent.proposers.edits import EditError, Patch, make_patch, surface_allows
+from agent.task import LlmProposer as LlmSpec
+from agent.task import Task
+from traces.schema import LlmCall, Proposal, ProposalInvalid
+
+PROMPTS = Path(__file__).resolve().parent.parent / "prompts"
+STAGES = ["proposal", "surface", "apply", "build", "start", "parity", "liveness", "benchmark", "decision"]
+REPAIRABLE = {"apply", "build", "start", "parity", "liveness"}
+HOT_PATH_HINTS = ["sample/sampler", "logits_processor", "worker/cpu_model_runner", "worker/gpu_model_runner",
+                  "core/sched/scheduler", "layers/layernorm", "rotary_embedding", "layers/activation",
+                  "attention/backends/cpu", "sample/ops", "worker/gpu_input_batch", "block_table",
+                  "kv_cache_manager", "layers/linear", "vocab_parallel_embedding"]
+
+
+def load_prompt(name: str) -> Template:
+    return Template((PROMPTS / f"{name}.md").read_text())
+
+
+@dataclass
+class Conversation:
+    messages: Messages
+    candidate: int = 0
+    answer: str = ""
+    repairs: int = 0
+    files: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Stats:
+    calls: int = 0
+    failed_calls: int = 0
+    answers: int = 0
+    parsed: int = 0
+    applied: int = 0
+    proposals: int = 0
+    repairs: int = 0
+    built: int = 0
+    parity_passed: int = 0
+    kept: int = 0
+    invalid: dict[str, int] = field(default_factory=dict)
+    outcomes: dict[str, int] = field(default_factory=dict)
+
+
+class LlmProposer:
+    name = "llm"
+
+    def __init__(self, spec: LlmSpec, task: Task, model: Model | None = None,
+                 profile: Any = None, profile_loader: Callable[[Task], Any] | None = None,
+                 sleep: Callable[[float], None] | None = None):
+        self.spec, self.task = spec, task
+        self.model: Model = model if model is not None else OpenAIModel(
+            spec.base_url, spec.model, spec.api_key_env, timeout_s=spec.request_timeout_s)
+        self.price = Price(spec.price.input_per_mtok, spec.price.output_per_mtok)
+        key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
+        self.redactor = Redactor([key])
+        self.profile = profile
+        self._profile_loader = profile_loader
+        self._profile_tried = profile is not None or not spec.profile
+        self._sleep = sleep
+        self.tokens_in = 0
+        self.tokens_out = 0
+        self.spend_usd = 0.0
+        self.stats = Stats()
+        self.fresh = 0
+        self._pending_repair: tuple[Conversation, Attempt] | None = None
+        self._last: Conversation | None = None
+        self._seen: dict[str, int] = {}
+        self._invalid_log: list[str] = []
+
+    @classmethod
+    def from_task(cls, task: Task, model: Model | None = None, **kwargs: Any) -> "LlmProposer":
+        if not isinstance(task.proposer, LlmSpec):
+            raise ValueError(f"task {task.name} has proposer kind {task.proposer.kind!r}, not 'llm'")
+        return cls(task.proposer, task, model=model, **kwargs)
+
+    # -------------------------------------------------------------------------------- budget
+    @property
+    def tokens_used(self) -> int:
+        return self.tokens_in + self.tokens_out
+
+    def summary(self) -> dict[str, Any]:
+        """For the live view and the run summary."""
+        return {"spend_usd": round(self.spend_usd, 6), "tokens_in": self.tokens_in, "tokens_out": self.tokens_out,
+                "stats": self.stats.__dict__}
+
+    def _check_budget(self, messages: Messages) -> None:
+        budget = self.task.budget
+        prompt = messages_tokens(messages)
+        if budget.max_llm_tokens is not None and self.tokens_used + prompt + self.spec.max_tokens > budget.max_llm_tokens:
+            raise ProposerExhausted(
+                f"LLM token cap reached: {self.tokens_used} used, the next call may need up to "
+                f"{prompt + self.spec.max_tokens} of max_llm_tokens {budget.max_llm_tokens}")
+        if budget.max_usd is not None:
+            worst = self.price.cost({"prompt_tokens": prompt, "completion_tokens": self.spec.max_tokens})
+            if self.spend_usd + worst > budget.max_usd:
+                raise ProposerExhausted(
+                    f"LLM dollar cap reached: ${self.spend_usd:.4f} spent, the next call may cost up to "
+                    f"${worst:.4f} of max_usd ${budget.max_usd:.4f}")
+
+    # ------------------------------------------------------------------------------- calling
+    def _call(self, ctx: ProposalContext, messages: Messages) -> Completion:
+        self._check_budget(messages)
+        params = {"temperature": self.spec.temperature, "max_tokens": self.spec.max_tokens, **self.model.params}
+        recorded = self.redactor.obj(messages)
+
+        def failed(error: LlmError, latency: float) -> None:
+            self.stats.calls += 1
+            self.stats.failed_calls += 1
+            ctx.record(LlmCall(candidate=ctx.candidate, model=self.model.name, params=params, messages=recorded,
+                               response=None, finish_reason=None, latency_s=round(latency, 3),
+                               error=self.redactor.text(error.record())))
+
+        kwargs: dict[str, Any] = {}
+        if self._sleep is not None:
+            kwargs["sleep"] = self._sleep
+        completion = complete_with_retries(
+            self.model, messages, temperature=self.spec.temperature, max_tokens=self.spec.max_tokens,
+            max_retries=self.spec.max_retries, backoff_s=self.spec.retry_backoff_s,
+            deadline_s=self.spec.request_timeout_s * (self.spec.max_retries + 1), on_failure=failed, **kwargs)
+        completion.text = self.redactor.text(completion.text) or ""  # before anything is derived from it
+        usage = {k: int(v) for k, v in completion.usage.items()}
+        cost = self.price.cost(usage)
+        self.tokens_in += usage.get("prompt_tokens", 0)
+        self.tokens_out += usage.get("completion_tokens", 0)
+        self.spend_usd += cost
+        self.stats.calls += 1
+        ctx.record(LlmCall(candidate=ctx.candidate, model=completion.model or self.model.name, params=params,
+                           messages=recorded, response=completion.text,
+                           finish_reason=completion.finish_reason, usage=usage, cost_usd=round(cost, 8),
+                           latency_s=round(completion.latency_s, 3)))
+        return completion
+
+    # ------------------------------------------------------------------------------- propose
+    def propose(self, ctx: ProposalContext) -> Proposal:
+        self._ensure_profile()
+        if self._pending_repair is not None:
+            convo, attempt = self._pending_repair
+            self._pending_repair = None
+            convo.repairs += 1
+            self.stats.repairs += 1
+            messages = [*convo.messages, {"role": "assistant", "content": convo.answer},
+                        {"role": "user", "content": self._repair_text(attempt)}]
+            convo = Conversation(messages=messages, repairs=convo.repairs, files=convo.files)
+            repair_of: int | None = attempt.proposal.candidate
+        else:
+            convo = Conversation(messages=self._fresh_messages(ctx))
+            self.fresh += 1
+            repair_of = None
+        last_reason = ""
+        for answer_no in range(1, self.spec.attempts_per_proposal + 1):
+            try:
+                completion = self._call(ctx, convo.messages)
+            except LlmFatalError:
+                raise
+            except LlmError as exc:
+                last_reason = f"LLM call failed: {exc.record()}"
+                self._invalid(ctx, last_reason, "llm")
+                continue
+            self.stats.answers += 1
+            text = completion.text or ""
+            reason, code, patch = self._check(ctx, text, completion.finish_reason)
+            if patch is not None:
+                digest = hashlib.sha256(patch.diff.encode()).hexdigest()
+                self._seen[digest] = ctx.candidate
+                self.stats.proposals += 1
+                convo.answer, convo.candidate, convo.files = text, ctx.candidate, patch.files
+                self._last = convo
+                meta = {"llm": {"model": self.model.name, "answer": answer_no, "repair_of": repair_of,
+                                "files": patch.files, "spend_usd": round(self.spend_usd, 6),
+                                "tokens_used": self.tokens_used}}
+                return Proposal(candidate=ctx.candidate, proposer=self.name, summary=patch.summary,
+                                patch=patch.diff, meta=meta)
+            last_reason = reason
+            self._invalid(ctx, reason, code)
+            if code in ("request",):
+                continue
+            convo.messages = [*convo.messages, {"role": "assistant", "content": text or "(empty)"},
+                              {"role": "user", "content": load_prompt("invalid").substitute(reason=reason)}]
+        raise ProposerExhausted(f"{self.spec.attempts_per_proposal} LLM answers in a row were unusable; "
+                                f"the last: {last_reason}")
+
+    def _invalid(self, ctx: ProposalContext, reason: str, code: str) -> None:
+        self.stats.invalid[code] = self.stats.invalid.get(code, 0) + 1
+        self._invalid_log.append(f"candidate {ctx.candidate}: {reason}"[:300])
+        ctx.record(ProposalInvalid(candidate=ctx.candidate, reason=self.redactor.text(reason) or reason))
+
+    def _check(self, ctx: ProposalContext, text: str, finish_reason: str | None) -> tuple[str, str, Patch | None]:
+        if finish_reason == "length":
+            return (f"truncated: the answer hit max_tokens ({self.spec.max_tokens}); give a shorter answer "
+                    f"with only the needed blocks", "length", None)
+        if not text.strip():
+            return "empty: the answer has no text", "empty", None
+        try:
+            patch = make_patch(text, Path(ctx.checkout), self.task.edit_surface.include,
+                               self.task.edit_surface.exclude)
+        except EditError as exc:
+            if exc.code not in ("parse", "empty"):
+                self.stats.parsed += 1
+            return str(exc), exc.code, None
+        self.stats.parsed += 1
+        digest = hashlib.sha256(patch.diff.encode()).hexdigest()
+        if digest in self._seen:
+            return (f"duplicate: the same change as candidate {self._seen[digest]}, which was already tried",
+                    "duplicate", None)
+        self.stats.applied += 1
+        return "", "", patch
+
+    # ------------------------------------------------------------------------------- observe
+    def observe(self, attempt: Attempt) -> None:
+        if attempt.proposal.proposer != self.name:
+            return
+        decision = attempt.decision
+        stage_index = STAGES.index(decision.stage) if decision.stage in STAGES else 0
+        kept = decision.verdict == "keep"
+        outcome = "keep" if kept else decision.stage
+        self.stats.outcomes[outcome] = self.stats.outcomes.get(outcome, 0) + 1
+        if kept or stage_index > STAGES.index("build"):
+            self.stats.built += 1
+        if kept or stage_index > STAGES.index("parity"):
+            self.stats.parity_passed += 1
+        if kept:
+            self.stats.kept += 1
+        convo, self._last = self._last, None
+        if (not kept and decision.stage in REPAIRABLE and convo is not None
+                and convo.candidate == attempt.proposal.candidate and convo.repairs < self.spec.repair_turns):
+            self._pending_repair = (convo, attempt)
+
+    def _repair_text(self, attempt: Attempt) -> str:
+        detail = attempt.parity_detail or ""
+        if attempt.decision.stage == "parity" and not detail:
+            detail = ("The output tokens differ from the baseline: the change alters the computation. "
+                      "Make sure the new code computes exactly the same values in the same order.")
+        return load_prompt("repair").substitute(candidate=attempt.proposal.candidate, stage=attempt.decision.stage,
+                                                reason=attempt.decision.reason[:3000],
+                                                detail=(detail[:2000] + "\n") if detail else "")
+
+    # ------------------------------------------------------------------------------- context
+    def _ensure_profile(self) -> None:
+        if self._profile_tried:
+            return
+        self._profile_tried = True
+        try:
+            if self._profile_loader is not None:
+                self.profile = self._profile_loader(self.task)
+            else:
+                from agent.profile import load_or_run
+
+                self.profile = load_or_run(self.task)
+        except Exception as exc:  # a missing profile makes the prompt poorer, not the run impossible
+            self.profile = f"(no profile: {type(exc).__name__}: {str(exc)[:300]})"
+
+    def _profile_text(self) -> str:
+        if self.profile is None:
+            return "(no profile)"
+        if isinstance(self.profile, str):
+            return self.profile
+        return self.profile.summary()
+
+    def _hot_files(self) -> list[str]:
+        if self.profile is None or isinstance(self.profile, str):
+            return []
+        return list(self.profile.hot_files())
+
+    def surface_files(self, checkout: Path) -> list[str]:
+        files = _git_ls_files(checkout)
+        inc, exc = self.task.edit_surface.include, self.task.edit_surface.exclude
+        return [f for f in files if f.endswith(".py") and surface_allows(f, inc, exc)]
+
+    def rank_files(self, files: list[str], branch_diff: str) -> list[str]:
+        present = set(files)
+        ranked: dict[str, None] = {}
+        for f in self._hot_files():
+            if f in present:
+                ranked.setdefault(f, None)
+        for f in files:
+            if f"b/{f}" in branch_diff:
+                ranked.setdefault(f, None)
+        arch = _architecture_hint(self.task)
+        for hint in ([arch] if arch else []) + HOT_PATH_HINTS:
+            for f in files:
+                if hint and hint in f and not f.endswith("__init__.py"):
+                    ranked.setdefault(f, None)
+        return list(ranked)
+
+    def _fresh_messages(self, ctx: ProposalContext) -> Messages:
+        budget = self.spec.context_tokens
+        checkout = Path(ctx.checkout)
+        files = self.surface_files(checkout)
+        ranked = self.rank_files(files, ctx.branch_diff)
+        if ranked:  # a different focus for each fresh proposal, among the few hottest files
+            k = (self.fresh - 1) % min(len(ranked), 4)
+            ranked = ranked[k:k + 1] + ranked[:k] + ranked[k + 1:]
+        task = self.task
+        fields = {
+            "task_name": task.name,
+            "task_description": (task.description or "").strip(),
+            "metric": task.benchmark.metric,
+            "workload": (f"{task.workload.num_prompts} prompts of {task.workload.input_len} input tokens, "
+                         f"{task.workload.output_len} output tokens each, concurrency "
+                         f"{task.workload.concurrency or 'all at once'}; model {_model_name(task)}, "
+                         f"dtype {task.model.dtype}"),
+            "min_speedup": f"{task.acceptance.min_speedup:g}",
+            "confidence": f"{task.acceptance.confidence:g}",
+            "parity": f"{task.parity.num_prompts} prompts, {task.parity.max_tokens} greedy tokens each",
+            "best_speedup": f"{ctx.best_speedup:.3f}",
+            "engine_args": json.dumps(ctx.incumbent_args, sort_keys=True),
+            "profile": _clip(self._profile_text(), budget * 0.12),
+            "history": _clip(self._history_text(ctx), budget * 0.12),
+            "branch_diff": _clip(ctx.branch_diff.strip() or "(none yet: the files are vLLM as released)",
+                                 budget * 0.10),
+            "file_map": "",
+            "files": "",
+        }
+        system = load_prompt("system").substitute()
+        skeleton = load_prompt("propose").substitute(fields)
+        left = budget - estimate_tokens(system) - estimate_tokens(skeleton)
+        fields["file_map"] = _clip(_file_map(files, ranked, checkout), min(left * 0.25, budget * 0.15))
+        left -= estimate_tokens(fields["file_map"])
+        fields["files"] = self._file_contents(checkout, ranked, max(left, 200))
+        return [{"role": "system", "content": system},
+                {"role": "user", "content": load_prompt("propose").substitute(fields)}]
+
+    def _file_contents(self, checkout: Path, ranked: list[str], budget_tokens: float) -> str:
+        blocks: list[str] = []
+        left = budget_tokens
+        for rel in ranked[:6]:
+            try:
+                text = (checkout / rel).read_text(encoding="utf-8", errors="replace")
+            except OSError:
+                continue
+            lines = text.splitlines()
+            if estimate_tokens(text) + 30 <= left:
+                block = f"### FILE {rel}\n```python\n{text.rstrip()}\n```"
+            else:
+                window = self._excerpt(rel, lines, left)
+                if window is None:
+                    continue
+                start, end = window
+                body = "\n".join(lines[start:end])
+                block = f"### FILE {rel} (lines {start + 1}-{end})\n```python\n{body}\n```"
+            cost = estimate_tokens(block)
+            if cost > left:
+                continue
+            blocks.append(block)
+            left -= cost
+            if left < 300:
+                break
+        if not blocks:
+            return "(no file fits in the context budget)"
+        return "\n\n".join(blocks)
+
+    def _excerpt(self, rel: str, lines: list[str], budget_tokens: float) -> tuple[int, int] | None:
+        """A window of lines around the hottest profiled function of the file (or its start)."""
+        if budget_tokens < 150 or not lines:
+            return None
+        hot = [ln for ln in (self.profile.hot_lines(rel) if self._hot_files() else []) if ln <= len(lines)]
+        center = (hot[0] - 1) if hot else 0
+        average = max(1.0, sum(len(x) for x in lines) / len(lines) / 3.5 + 1)
+        span = int(budget_tokens / average) - 4
+        if span < 20:
+            return None
+        start = max(0, center - span // 5)
+        end = min(len(lines), start + span)
+        return start, end
+
+    def _history_text(self, ctx: ProposalContext) -> str:
+        out: list[str] = []
+        for attempt in ctx.history[-12:]:
+            d, p = attempt.decision, attempt.proposal
+            numbers = ""
+            if d.speedup is not None:
+                numbers = f", speedup {d.speedup:.3f}"
+                if d.ci_low is not None and d.ci_high is not None:
+                    numbers += f" (CI {d.ci_low:.3f}..{d.ci_high:.3f})"
+            what = p.summary or "(no summary)"
+            if p.engine_args:
+                what += f" engine args {json.dumps(p.engine_args, sort_keys=True)}"
+            line = f"- candidate {p.candidate} [{p.proposer}] {what}: {d.verdict} at {d.stage}{numbers}: {d.reason[:300]}"
+            if attempt.parity_detail:
+                line += f" (divergence: {attempt.parity_detail[:200]})"
+            out.append(line)
+        if self._invalid_log:
+            out.append("Your recent answers that could not be used:")
+            out += [f"- {x}" for x in self._invalid_log[-5:]]
+        return "\n".join(out) or "(none yet)"
+
+
+# ----------------------------------------------------------------------------------- helpers
+def _git_ls_files(checkout: Path) -> list[str]:
+    try:
+        proc = subprocess.run(["git", "ls-files", "-z"], cwd=checkout, capture_output=True, timeout=60)
+        if proc.returncode == 0 and proc.stdout:
+            return sorted(p for p in proc.stdout.decode("utf-8", "replace").split("\0") if p)
+    except (OSError, subprocess.SubprocessError):
+        pass
+    root = Path(checkout)
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                  if ".git" not in p.parts and "__pycache__" not in p.parts)
+
+
+def _file_map(files: list[str], ranked: list[str], checkout: Path) -> str:
+    """The surface: the ranked files one a line (with their size), the rest counted per folder."""
+    lines: list[str] = []
+    shown = set(ranked[:40])
+    for rel in ranked[:40]:
+        try:
+            n = sum(1 for _ in open(checkout / rel, "rb"))
+        except OSError:
+            n = 0
+        lines.append(f"{rel} ({n} lines)")
+    folders: dict[str, int] = {}
+    for rel in files:
+        if rel not in shown:
+            folder = rel.rsplit("/", 1)[0]
+            folders[folder] = folders.get(folder, 0) + 1
+    if folders:
+        lines.append("Other files you may edit, per folder:")
+        lines += [f"{folder}/ ({count} files)" for folder, count in sorted(folders.items())]
+    return "\n".join(lines) or "(no files)"
+
+
+def _clip(text: str, budget_tokens: float) -> str:
+    limit = int(max(budget_tokens, 50) * 3.5)
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"\n[... {len(text) - limit} more characters cut]"
+
+
+def _model_name(task: Task) -> str:
+    if task.model.path:
+        return task.model.path.name
+    if task.model.synthetic:
+        return f"synthetic from {task.model.synthetic.config.name}"
+    return "?"
+
+
+def _architecture_hint(task: Task) -> str:
+    config = None
+    if task.model.synthetic:
+        config = task.model.synthetic.config
+    elif task.model.path:
+        config = task.model.path / "config.json"
+    try:
+        data = json.loads(Path(config).read_text()) if config else {}
+    except (OSError, ValueError):
+        return ""
+    arch = (data.get("architectures") or [""])[0]
+    model_type = str(data.get("model_type") or "")
+    if model_type:
+        return f"models/{model_type.split('_')[0]}"
+    return f"models/{arch.lower().replace('forcausallm', '')}" if arch else ""
+
+
+__all__ = ["LlmProposer", "Stats"]

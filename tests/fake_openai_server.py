@@ -1,0 +1,198 @@
+"""An OpenAI-compatible chat completions server on loopback that serves scripted responses.
+
+Each request to POST /v1/chat/completions takes the next step of the script:
+
+    {"text": "...", "finish_reason": "stop"}     an answer (streamed as SSE when asked to)
+    {"status": 429 | 500 | 401 | 403 | 404 | 400, "message": "..."}
+    {"sleep": 5.0}                                 say nothing for that long, then answer "late"
+    {"break_stream": True, "text": "..."}          stream part of the text, then drop the socket
+    {"garbage": True}                              send bytes that are not an SSE/JSON answer
+
+Requests (headers and JSON body) are kept in `server.requests` for the tests to look at.
+Usage is counted as whitespace-separated words (prompt) and words (completion).
+
+    python tests/fake_openai_server.py --port 8999 --text "hello"   # by hand
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+def _words(messages: list[dict[str, Any]]) -> int:
+    return sum(len(str(m.get("content", "")).split()) for m in messages)
+
+
+class FakeOpenAI:
+    def __init__(self, script: list[dict[str, Any]] | None = None, default: dict[str, Any] | None = None,
+                 host: str = "127.0.0.1", port: int = 0):
+        self.script = list(script or [])
+        self.default = default
+        self.requests: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        self.server = ThreadingHTTPServer((host, port), self._handler())
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"http://{host}:{port}/v1"
+
+    def start(self) -> "FakeOpenAI":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def __enter__(self) -> "FakeOpenAI":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def push(self, *steps: dict[str, Any]) -> None:
+        with self.lock:
+            self.script.extend(steps)
+
+    def next_step(self) -> dict[str, Any]:
+        with self.lock:
+            if self.script:
+                return self.script.pop(0)
+        return self.default or {"status": 500, "message": "the fake server's script is used up"}
+
+    def _handler(self):
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _json(self, status: int, payload: dict[str, Any]) -> None:
+                body = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                if self.path.rstrip("/").endswith("/models"):
+                    self._json(200, {"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+                else:
+                    self._json(404, {"error": {"message": "not found"}})
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                try:
+                    body = json.loads(self.rfile.read(length) or b"{}")
+                except ValueError:
+                    body = {}
+                with fake.lock:
+                    fake.requests.append({"path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}, "body": body})
+                if not self.path.endswith("/chat/completions"):
+                    self._json(404, {"error": {"message": f"no route {self.path}"}})
+                    return
+                step = fake.next_step()
+                try:
+                    self._serve(step, body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+            def _serve(self, step: dict[str, Any], body: dict[str, Any]) -> None:
+                if "sleep" in step:
+                    time.sleep(float(step["sleep"]))
+                    step = {"text": step.get("text", "late")}
+                status = int(step.get("status", 200))
+                if status != 200:
+                    kind = {401: "invalid_api_key", 403: "permission_denied", 429: "rate_limit_exceeded",
+                            404: "model_not_found", 400: "invalid_request_error"}.get(status, "server_error")
+                    headers_sent = False
+                    if status == 429:
+                        self.send_response(status)
+                        self.send_header("Retry-After", "0")
+                        payload = json.dumps({"error": {"message": step.get("message", "slow down"),
+                                                        "type": kind, "code": kind}}).encode()
+                        self.send_header("Content-Type", "application/json")
+                        self.send_header("Content-Length", str(len(payload)))
+                        self.end_headers()
+                        self.wfile.write(payload)
+                        headers_sent = True
+                    if not headers_sent:
+                        self._json(status, {"error": {"message": step.get("message", f"scripted {status}"),
+                                                      "type": kind, "code": kind}})
+                    return
+                if step.get("garbage"):
+                    payload = b"<html>this is not an API</html>"
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream" if body.get("stream") else "application/json")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
+                text = str(step.get("text", ""))
+                finish = step.get("finish_reason", "stop")
+                model = body.get("model", "fake-model")
+                usage = {"prompt_tokens": _words(body.get("messages", [])), "completion_tokens": len(text.split())}
+                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+                if not body.get("stream"):
+                    self._json(200, {"id": "chatcmpl-fake", "object": "chat.completion", "created": int(time.time()),
+                                     "model": model, "usage": usage,
+                                     "choices": [{"index": 0, "finish_reason": finish,
+                                                  "message": {"role": "assistant", "content": text}}]})
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.close_connection = True
+
+                def event(payload: dict[str, Any]) -> None:
+                    self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+                    self.wfile.flush()
+
+                def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+                    return {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": int(time.time()),
+                            "model": model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+
+                event(chunk({"role": "assistant", "content": ""}))
+                pieces = [text[i:i + 64] for i in range(0, len(text), 64)]
+                if step.get("break_stream"):
+                    for piece in pieces[: max(1, len(pieces) // 2)]:
+                        event(chunk({"content": piece}))
+                    self.wfile.flush()
+                    self.connection.shutdown(2)  # drop it mid-answer: no finish_reason, no [DONE]
+                    return
+                for piece in pieces:
+                    event(chunk({"content": piece}))
+                event(chunk({}, finish))
+                if (body.get("stream_options") or {}).get("include_usage"):
+                    event({"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": int(time.time()),
+                           "model": model, "choices": [], "usage": usage})
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+
+        return Handler
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="A scripted OpenAI-compatible server on loopback.")
+    ap.add_argument("--port", type=int, default=8999)
+    ap.add_argument("--text", default="SUMMARY: nothing\n")
+    args = ap.parse_args()
+    server = FakeOpenAI(default={"text": args.text}, port=args.port)
+    print(f"serving {server.base_url}", flush=True)
+    server.server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
