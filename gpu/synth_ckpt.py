@@ -15,8 +15,9 @@ Recipe (same idea as agent/checkpoint.py, kept self-contained for the GPU machin
      - norm_scale a: the final RMSNorm weight (init ones in Gemma 4) is multiplied by a, which
        scales all pre-softcap logits by a. Alone it cannot give large margins, because
        final_logit_softcapping=30 compresses the top of a Gaussian logit distribution.
-     Defaults s=0.5, a=2.0 (a numpy model of the logits gave median ~1.5 nats; the measured
-     distribution is printed and written to the report).
+     Defaults s=0.5, a=2.0 (a numpy model of the logits gave median ~1.5 nats); --target-median
+     instead picks the grid point whose measured median is closest to the target. The measured
+     distribution is printed and written to the report and to OUT_DIR/nightshift_synth.json.
   3. save_pretrained, then the K/V projection and k_norm tensors of the KV-shared layers are added
      (copied from the last non-shared layer of the same attention type) as one extra shard, since
      vLLM 0.26's loader expects them; vLLM does not use them at run time.
@@ -36,7 +37,7 @@ import time
 EXTRA_SHARD = "model-shared-kv.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "chat_template.jinja")
-GRID = [(0.0, 1.0), (0.0, 2.0), (0.25, 2.0), (0.5, 1.0), (0.5, 2.0), (0.75, 1.5), (1.0, 1.0)]
+GRID = [(0.0, 1.0), (0.0, 2.0), (0.25, 2.0), (0.5, 1.0), (0.5, 2.0), (0.75, 1.0), (0.75, 1.5), (1.0, 1.0)]
 
 
 def add_shared_kv_tensors(d):
@@ -147,6 +148,8 @@ def main():
     ap.add_argument("--emb-sigma", type=float, default=0.5, help="log-normal sigma of embedding row norms")
     ap.add_argument("--norm-scale", type=float, default=2.0, help="factor on the final norm weight")
     ap.add_argument("--grid", action="store_true", help="also report margins over a small (sigma, scale) grid")
+    ap.add_argument("--target-median", type=float, default=None,
+                    help="pick (sigma, scale) from the grid whose median margin is closest to this (implies --grid)")
     ap.add_argument("--report", help="write a JSON report here")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--no-save", action="store_true", help="calibrate/report only")
@@ -174,7 +177,7 @@ def main():
     report = {"seed": a.seed, "params": n, "transformers": transformers.__version__,
               "knobs": {"emb_sigma": a.emb_sigma, "norm_scale": a.norm_scale},
               "margin_method": "teacher-forced, 8 seeded random token-id prompts x 128 positions, bf16 HF forward"}
-    if a.grid:
+    if a.grid or a.target_median is not None:
         report["grid"] = []
         for s, sc in GRID:
             apply_knobs(model, emb0, norm0, s, sc, a.seed)
@@ -182,6 +185,12 @@ def main():
             report["grid"].append({"emb_sigma": s, "norm_scale": sc, **r})
             print(f"grid sigma={s:<5} scale={sc:<4} median={r['median']:.3f} p10={r['p10']:.3f} "
                   f"p90={r['p90']:.3f} distinct_argmax={r['distinct_argmax']}/{r['positions']}")
+    if a.target_median is not None:
+        best = min(report["grid"], key=lambda r: (abs(math.log(max(r["median"], 1e-3) / a.target_median)),
+                                                  -r["distinct_argmax"]))
+        a.emb_sigma, a.norm_scale = best["emb_sigma"], best["norm_scale"]
+        report["knobs"] = {"emb_sigma": a.emb_sigma, "norm_scale": a.norm_scale, "target_median": a.target_median}
+        print(f"calibrated: sigma={a.emb_sigma} scale={a.norm_scale} (target median {a.target_median})")
     apply_knobs(model, emb0, norm0, a.emb_sigma, a.norm_scale, a.seed)
     del emb0, norm0
     report["margins"] = measure_margins(model, vocab)
