@@ -1,0 +1,256 @@
+"""Docker backend: each candidate's server runs in its own hardened container (see docs/sandbox.md).
+
+The container has no network; the harness reaches `vllm serve --uds` through a Unix socket in a
+per-server folder on the host (/tmp/nightshift-io/...), which is the only thing mounted
+read-write. The container's shape is decided by sandbox.docker_spec.container_spec.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import docker
+import httpx
+from docker.errors import DockerException, NotFound
+
+from sandbox.base import Outcome, SandboxError, ServerSpec
+from sandbox.docker_spec import (IMPORT_LOG_NAME, LABEL, SANDBOX_UID, SOCKET_NAME, container_name,
+                                 container_spec, slug)
+from sandbox.gpu_idle import gpu_memory_used_mib, wait_until_idle
+
+log = logging.getLogger(__name__)
+
+RECORDER = Path(__file__).parent / "recorder"
+IO_ROOT = Path(os.environ.get("NIGHTSHIFT_SANDBOX_IO", "/tmp/nightshift-io"))
+STOP_GRACE_S = 15
+LOG_TAIL_LINES = 5000
+
+
+class DockerUnavailable(RuntimeError):
+    """No Docker engine answers (not a candidate's fault)."""
+
+
+def connect() -> docker.DockerClient:
+    try:
+        client = docker.from_env(timeout=120)
+        client.ping()
+        return client
+    except DockerException as exc:
+        raise DockerUnavailable(f"no Docker engine reachable ({exc}); start one with "
+                                "scripts/docker-engine.sh") from None
+
+
+def process_identity(pid: int) -> str:
+    """host:pid:start-time, which a reused pid does not share."""
+    return f"{socket.gethostname()}:{pid}:{_start_time(pid)}"
+
+
+def _start_time(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return "?"
+
+
+def owner_alive(owner: str) -> bool:
+    """Whether the harness process that started a container still runs (other hosts: assume so)."""
+    try:
+        host, pid, start = owner.rsplit(":", 2)
+    except ValueError:
+        return False
+    if host != socket.gethostname():
+        return True
+    return pid.isdigit() and Path(f"/proc/{pid}").exists() and _start_time(int(pid)) == start
+
+
+def classify(state: dict) -> Outcome:
+    if state.get("OOMKilled"):
+        return "oom"
+    if state.get("Running"):
+        return "ok"
+    return "crash"
+
+
+class DockerServer:
+    def __init__(self, spec: ServerSpec, container, io_dir: Path, gpus: list[int], idle_mib: dict[int, int]):
+        self.name, self.spec, self.container, self.io_dir = spec.name, spec, container, io_dir
+        self.gpus, self.idle_mib = gpus, idle_mib
+        self.socket = io_dir / SOCKET_NAME
+        self.gpu_idle: tuple[bool, str] | None = None
+        self._final: tuple[Outcome, str, list[str]] | None = None
+
+    def client(self, timeout: float) -> httpx.AsyncClient:
+        return httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=str(self.socket)),
+                                 base_url="http://sandbox", timeout=timeout)
+
+    def sync_client(self, timeout: float) -> httpx.Client:
+        return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)),
+                            base_url="http://sandbox", timeout=timeout)
+
+    def imported_files(self) -> list[str]:
+        if self._final:
+            return self._final[2]
+        path = self.io_dir / IMPORT_LOG_NAME
+        return sorted(set(path.read_text().split())) if path.exists() else []
+
+    def logs(self, limit: int = 20_000) -> str:
+        if self._final:
+            return self._final[1][-limit:]
+        try:
+            return self.container.logs(tail=LOG_TAIL_LINES).decode(errors="replace")[-limit:]
+        except DockerException:
+            return ""
+
+    def state(self) -> dict:
+        try:
+            self.container.reload()
+            return self.container.attrs["State"]
+        except NotFound:
+            return {"Running": False}
+
+    def alive(self) -> bool:
+        return bool(self.state().get("Running"))
+
+    def stop(self) -> Outcome:
+        """Stop (SIGTERM, then SIGKILL after a grace period), keep logs and imports, remove."""
+        if self._final:
+            return self._final[0]
+        outcome = classify(self.state())
+        try:
+            self.container.stop(timeout=STOP_GRACE_S)
+        except DockerException:
+            pass
+        if outcome == "ok" and self.state().get("OOMKilled"):
+            outcome = "oom"
+        self._finish(outcome)
+        return outcome
+
+    def kill(self) -> None:
+        self._finish(classify(self.state()))
+
+    def _finish(self, outcome: Outcome) -> None:
+        logs, imports = self.logs(limit=1_000_000), self.imported_files()
+        try:
+            self.container.remove(force=True)
+        except NotFound:
+            pass
+        shutil.rmtree(self.io_dir, ignore_errors=True)
+        self._final = (outcome, logs, imports)
+        self.gpu_idle = wait_until_idle(self.gpus, self.idle_mib)
+
+
+class DockerSandbox:
+    def __init__(self, config=None, run_dir: Path | None = None):
+        from agent.task import Sandbox as SandboxConfig
+
+        self.config = config or SandboxConfig(backend="docker")
+        self.run_dir = Path(run_dir or Path.cwd()).resolve()
+        self.run = slug(self.run_dir.name)
+        self.owner = process_identity(os.getpid())
+        self.idle_mib: dict[int, int] = {}
+        self._client: docker.DockerClient | None = None
+        self._reaped = False
+
+    @property
+    def client(self) -> docker.DockerClient:
+        if self._client is None:
+            self._client = connect()
+        return self._client
+
+    def user(self) -> str:
+        return f"{SANDBOX_UID}:{SANDBOX_UID}" if os.getuid() == 0 else f"{os.getuid()}:{os.getgid()}"
+
+    def io_folder(self) -> Path:
+        IO_ROOT.mkdir(parents=True, exist_ok=True)
+        io_dir = Path(tempfile.mkdtemp(prefix="ns-", dir=IO_ROOT))
+        if os.getuid() == 0:
+            os.chown(io_dir, SANDBOX_UID, SANDBOX_UID)
+        return io_dir
+
+    def spec_for(self, spec: ServerSpec, io_dir: Path) -> dict:
+        c = self.config
+        return container_spec(
+            spec, image=c.image, run=self.run, io_dir=io_dir, recorder=RECORDER, owner=self.owner,
+            user=self.user(), memory_gb=c.memory_gb, cpus=c.cpus, pids_limit=c.pids_limit,
+            tmpfs_mb=c.tmpfs_mb, gpus=list(spec.gpus or c.gpus), private=[self.run_dir],
+            host_env=os.environ)
+
+    def start(self, spec: ServerSpec) -> DockerServer:
+        if not self._reaped:
+            self.reap()
+        gpus = list(spec.gpus or self.config.gpus)
+        for gpu, mib in (gpu_memory_used_mib(gpus) or {}).items():
+            self.idle_mib[gpu] = min(mib, self.idle_mib.get(gpu, mib))
+        io_dir = self.io_folder()
+        kwargs = self.spec_for(spec, io_dir)
+        self._remove_named(kwargs["name"])
+        try:
+            container = self.client.containers.create(**kwargs)
+        except DockerException as exc:
+            shutil.rmtree(io_dir, ignore_errors=True)
+            raise SandboxError("crash", f"cannot create the container: {exc}") from None
+        server = DockerServer(spec, container, io_dir, gpus, self.idle_mib)
+        try:
+            container.start()
+        except DockerException as exc:
+            server.kill()
+            raise SandboxError("crash", f"cannot start the container: {exc}", server.logs()) from None
+        wait_ready(server, spec.startup_timeout_s)
+        return server
+
+    def _remove_named(self, name: str) -> None:
+        try:
+            old = self.client.containers.get(name)
+        except NotFound:
+            return
+        old.remove(force=True)
+        io = old.labels.get(f"{LABEL}.io")
+        if io and Path(io).parent == IO_ROOT:
+            shutil.rmtree(io, ignore_errors=True)
+
+    def reap(self) -> int:
+        """Remove the containers (and socket folders) of harness processes that no longer run."""
+        self._reaped = True
+        reaped = 0
+        for container in self.client.containers.list(all=True, filters={"label": f"{LABEL}=sandbox"}):
+            if owner_alive(container.labels.get(f"{LABEL}.owner", "")):
+                continue
+            log.info("reaping %s (run %s, owner %s gone)", container.name,
+                     container.labels.get(f"{LABEL}.run"), container.labels.get(f"{LABEL}.owner"))
+            try:
+                container.remove(force=True)
+                reaped += 1
+            except NotFound:
+                pass
+            io = container.labels.get(f"{LABEL}.io")
+            if io and Path(io).parent == IO_ROOT:
+                shutil.rmtree(io, ignore_errors=True)
+        return reaped
+
+
+def wait_ready(server: DockerServer, timeout_s: float) -> None:
+    """Until /health answers 200; on exit or timeout, remove the container and raise SandboxError."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = server.state()
+        if not state.get("Running") and state.get("Status") != "created":
+            outcome = classify(state)
+            logs = server.logs()
+            server.kill()
+            raise SandboxError(outcome, f"server exited during startup (exit code {state.get('ExitCode')})", logs)
+        if server.socket.exists():
+            try:
+                with server.sync_client(5) as client:
+                    if client.get("/health").status_code == 200:
+                        return
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.5)
+    logs = server.logs()
+    server.kill()
+    raise SandboxError("timeout", f"server not healthy after {timeout_s:.0f}s; container killed and removed", logs)

@@ -1,0 +1,96 @@
+"""The container a candidate runs in, as keyword arguments for `docker.containers.create`.
+
+A pure function of the candidate's spec and the task's sandbox settings, so that the GPU variant
+can be checked without an engine (tests/test_docker_spec.py). What goes in: the candidate tree,
+the model and the import recorder, all read-only; a Unix-socket folder read-write; a tmpfs with
+a size cap for HOME, TMPDIR and caches. What never goes in: the run folder (reference outputs,
+trace), and any variable that looks like a secret.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+from docker.types import DeviceRequest
+
+from sandbox.base import ServerSpec, clean_env, serve_argv
+
+TREE, MODEL, RECORDER, IO = "/sandbox/tree", "/sandbox/model", "/sandbox/recorder", "/sandbox/io"
+SCRATCH = "/tmp"
+SOCKET_NAME, IMPORT_LOG_NAME = "server.sock", "imports.txt"
+SANDBOX_UID = 10001
+LABEL = "nightshift"
+PASSED_HOST_ENV = ("LANG", "LC_ALL", "TZ", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+PASSED_HOST_PREFIXES = ("VLLM_",)
+
+
+def slug(text: str, limit: int = 60) -> str:
+    return re.sub(r"[^a-zA-Z0-9_.-]+", "-", text).strip("-.")[:limit] or "x"
+
+
+def container_name(run: str, candidate: str) -> str:
+    return f"nightshift-{slug(run)}-{slug(candidate)}"
+
+
+def container_env(spec: ServerSpec, host_env: Mapping[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in host_env.items() if k in PASSED_HOST_ENV or k.startswith(PASSED_HOST_PREFIXES)}
+    env = clean_env(env)
+    env.update({
+        "HOME": SCRATCH, "TMPDIR": SCRATCH, "USER": "nightshift", "LOGNAME": "nightshift",
+        "XDG_CACHE_HOME": f"{SCRATCH}/.cache", "VLLM_CACHE_ROOT": f"{SCRATCH}/.cache/vllm",
+        "HF_HOME": f"{SCRATCH}/.cache/huggingface", "TORCHINDUCTOR_CACHE_DIR": f"{SCRATCH}/.cache/inductor",
+        "TRITON_CACHE_DIR": f"{SCRATCH}/.cache/triton",
+        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONPATH": f"{RECORDER}:{TREE}", "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1",
+        "NIGHTSHIFT_IMPORT_LOG": f"{IO}/{IMPORT_LOG_NAME}", "NIGHTSHIFT_SOURCE_TREE": TREE,
+    })
+    env.update(clean_env(spec.env))
+    return env
+
+
+def container_command(spec: ServerSpec) -> list[str]:
+    inside = spec.model_copy(update={"model_dir": Path(MODEL)})
+    return ["python3", "-m", "vllm.entrypoints.cli.main", *serve_argv(inside), "--uds", f"{IO}/{SOCKET_NAME}"]
+
+
+def check_not_exposed(mounted: list[Path], private: list[Path]) -> None:
+    """Refuse a mount that is, or contains, a private path (the run folder, reference outputs)."""
+    for source in mounted:
+        for secret in private:
+            if secret == source or secret.is_relative_to(source):
+                raise ValueError(f"refusing to mount {source}: it exposes {secret}")
+
+
+def container_spec(spec: ServerSpec, *, image: str, run: str, io_dir: Path, recorder: Path,
+                   owner: str, user: str, memory_gb: float, cpus: float | None, pids_limit: int,
+                   tmpfs_mb: int, gpus: list[int], private: list[Path] = (),
+                   host_env: Mapping[str, str] = {}) -> dict[str, Any]:
+    """Keyword arguments for `client.containers.create` (all paths on the host are absolute)."""
+    tree, model = Path(spec.source_tree).resolve(), Path(spec.model_dir).resolve()
+    io_dir, recorder = Path(io_dir).resolve(), Path(recorder).resolve()
+    check_not_exposed([tree, model, recorder, io_dir], [Path(p).resolve() for p in private])
+    candidate = spec.labels.get("candidate", spec.name)
+    labels = {f"{LABEL}.{slug(k, 40)}": str(v) for k, v in spec.labels.items()}
+    labels.update({LABEL: "sandbox", f"{LABEL}.run": run, f"{LABEL}.candidate": candidate,
+                   f"{LABEL}.server": spec.name, f"{LABEL}.owner": owner, f"{LABEL}.io": str(io_dir)})
+    memory = f"{int(memory_gb * 1024)}m"
+    kwargs: dict[str, Any] = dict(
+        image=image, command=container_command(spec), name=container_name(run, spec.name),
+        labels=labels, environment=container_env(spec, host_env), user=user, working_dir=SCRATCH,
+        detach=True, init=True, read_only=True, network_mode="none",
+        cap_drop=["ALL"], security_opt=["no-new-privileges"], ipc_mode="private",
+        pids_limit=pids_limit, mem_limit=memory, memswap_limit=memory, shm_size=f"{tmpfs_mb}m",
+        tmpfs={SCRATCH: f"rw,nosuid,nodev,size={tmpfs_mb}m,mode=1777"},
+        volumes={
+            str(tree): {"bind": TREE, "mode": "ro"},
+            str(model): {"bind": MODEL, "mode": "ro"},
+            str(recorder): {"bind": RECORDER, "mode": "ro"},
+            str(io_dir): {"bind": IO, "mode": "rw"},
+        },
+    )
+    if cpus:
+        kwargs["nano_cpus"] = int(cpus * 1e9)
+    if gpus:
+        kwargs["device_requests"] = [DeviceRequest(device_ids=[str(g) for g in gpus], capabilities=[["gpu"]])]
+    return kwargs

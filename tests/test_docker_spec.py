@@ -1,0 +1,133 @@
+"""The container specification the Docker backend produces (no engine needed): the GPU path is
+checked here because it cannot run on the CPU machines."""
+from pathlib import Path
+
+import pytest
+
+from agent.task import Sandbox as SandboxConfig
+from sandbox.base import ServerSpec
+from sandbox.docker_backend import DockerSandbox
+from sandbox.docker_spec import IO, MODEL, RECORDER, SCRATCH, TREE, container_spec
+
+SECRET_ENV = {"OPENAI_API_KEY": "sk-1", "HF_TOKEN": "hf-1", "VLLM_API_KEY": "v-1", "AWS_SECRET_ACCESS_KEY": "a",
+              "GITHUB_AUTH": "g", "DB_PASSWORD": "p"}
+
+
+@pytest.fixture
+def paths(tmp_path):
+    made = {name: tmp_path / name for name in ("run", "tree", "model", "io", "recorder")}
+    for path in made.values():
+        path.mkdir()
+    return made
+
+
+def gpu_spec(paths, **overrides) -> ServerSpec:
+    fields = dict(name="cand-7-parity", labels={"candidate": "7", "role": "parity"}, source_tree=paths["tree"],
+                  model_dir=paths["model"], engine_args={"max_num_seqs": 8, "enforce_eager": True},
+                  env={"VLLM_ATTENTION_BACKEND": "FLASH_ATTN", "ANTHROPIC_API_KEY": "sk-ant"}, gpus=[2, 3])
+    return ServerSpec(**{**fields, **overrides})
+
+
+def build(paths, spec, **overrides):
+    args = dict(image="nightshift-sandbox:gpu", run="run-42", io_dir=paths["io"], recorder=paths["recorder"],
+                owner="host:123:456", user="10001:10001", memory_gb=64, cpus=8, pids_limit=4096,
+                tmpfs_mb=2048, gpus=spec.gpus, private=[paths["run"]],
+                host_env={**SECRET_ENV, "PATH": "/host/bin", "VLLM_CPU_KVCACHE_SPACE": "1", "HOME": "/root"})
+    return container_spec(spec, **{**args, **overrides})
+
+
+def test_gpu_candidate_gets_its_gpus_by_id(paths):
+    kwargs = build(paths, gpu_spec(paths))
+    [request] = kwargs["device_requests"]
+    assert request["DeviceIDs"] == ["2", "3"]
+    assert request["Capabilities"] == [["gpu"]]
+    assert request["Count"] in (0, None)
+
+
+def test_cpu_candidate_has_no_device_requests(paths):
+    assert "device_requests" not in build(paths, gpu_spec(paths, gpus=[]), gpus=[])
+
+
+def test_mounts_are_read_only_except_the_socket_folder(paths):
+    volumes = build(paths, gpu_spec(paths))["volumes"]
+    assert volumes == {
+        str(paths["tree"].resolve()): {"bind": TREE, "mode": "ro"},
+        str(paths["model"].resolve()): {"bind": MODEL, "mode": "ro"},
+        str(paths["recorder"].resolve()): {"bind": RECORDER, "mode": "ro"},
+        str(paths["io"].resolve()): {"bind": IO, "mode": "rw"},
+    }
+
+
+def test_hardening(paths):
+    kwargs = build(paths, gpu_spec(paths))
+    assert kwargs["network_mode"] == "none"
+    assert kwargs["read_only"] is True
+    assert kwargs["cap_drop"] == ["ALL"] and "cap_add" not in kwargs
+    assert kwargs["security_opt"] == ["no-new-privileges"]
+    assert kwargs["init"] is True
+    assert kwargs["user"] == "10001:10001"
+    assert kwargs["pids_limit"] == 4096
+    assert kwargs["mem_limit"] == kwargs["memswap_limit"] == "65536m"
+    assert kwargs["nano_cpus"] == 8_000_000_000
+    assert kwargs["tmpfs"] == {SCRATCH: "rw,nosuid,nodev,size=2048m,mode=1777"}
+    assert "privileged" not in kwargs and "ports" not in kwargs and "network" not in kwargs
+
+
+def test_labels_name_the_run_and_the_candidate(paths):
+    kwargs = build(paths, gpu_spec(paths))
+    labels = kwargs["labels"]
+    assert labels["nightshift"] == "sandbox"
+    assert labels["nightshift.run"] == "run-42"
+    assert labels["nightshift.candidate"] == "7"
+    assert labels["nightshift.server"] == "cand-7-parity"
+    assert labels["nightshift.owner"] == "host:123:456"
+    assert labels["nightshift.role"] == "parity"
+    assert kwargs["name"] == "nightshift-run-42-cand-7-parity"
+
+
+def test_no_secret_reaches_the_environment(paths):
+    env = build(paths, gpu_spec(paths))["environment"]
+    assert not set(SECRET_ENV) & set(env)
+    assert "ANTHROPIC_API_KEY" not in env
+    assert all(not any(word in k for word in ("KEY", "TOKEN", "SECRET", "PASSWORD", "AUTH")) for k in env)
+    assert env["VLLM_ATTENTION_BACKEND"] == "FLASH_ATTN"  # the candidate's own engine env
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"  # VLLM_* from the host, as the local backend does
+    assert env["HOME"] == SCRATCH and "PATH" not in env  # the image's PATH stays
+    assert env["PYTHONPATH"] == f"{RECORDER}:{TREE}"
+    assert env["NIGHTSHIFT_IMPORT_LOG"].startswith(IO + "/")
+
+
+def test_command_serves_on_the_socket_with_the_model_inside(paths):
+    command = build(paths, gpu_spec(paths))["command"]
+    assert command[:5] == ["python3", "-m", "vllm.entrypoints.cli.main", "serve", MODEL]
+    assert command[-2:] == ["--uds", f"{IO}/server.sock"]
+    assert "--max-num-seqs" in command and "--enforce-eager" in command
+    assert "--host" not in command and "--port" not in command
+    assert str(paths["model"]) not in " ".join(command)
+
+
+@pytest.mark.parametrize("exposed", ["run", "parent"])
+def test_refuses_to_mount_the_run_folder(paths, exposed):
+    tree = paths["run"] if exposed == "run" else paths["run"].parent
+    with pytest.raises(ValueError, match="refusing to mount"):
+        build(paths, gpu_spec(paths, source_tree=tree))
+
+
+def test_candidate_tree_inside_the_run_folder_is_fine(paths):
+    inside = paths["run"] / "worktrees" / "cand-7"
+    inside.mkdir(parents=True)
+    assert build(paths, gpu_spec(paths, source_tree=inside))["volumes"][str(inside.resolve())]["mode"] == "ro"
+
+
+def test_backend_uses_the_task_settings(paths, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-host")
+    config = SandboxConfig(backend="docker", image="img:gpu", gpus=[5], memory_gb=3, cpus=2, pids_limit=99,
+                           tmpfs_mb=77)
+    sandbox = DockerSandbox(config, paths["run"])
+    kwargs = sandbox.spec_for(gpu_spec(paths, gpus=[]), paths["io"])
+    assert kwargs["image"] == "img:gpu"
+    assert kwargs["device_requests"][0]["DeviceIDs"] == ["5"]
+    assert (kwargs["mem_limit"], kwargs["pids_limit"], kwargs["nano_cpus"]) == ("3072m", 99, 2_000_000_000)
+    assert kwargs["labels"]["nightshift.run"] == "run"
+    assert "OPENAI_API_KEY" not in kwargs["environment"]
+    assert Path(kwargs["volumes"][str(paths["io"].resolve())]["bind"]) == Path(IO)
