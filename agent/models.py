@@ -380,7 +380,8 @@ def complete_with_retries(model: Model, messages: Messages, *, temperature: floa
     retrying = tenacity.Retrying(
         retry=tenacity.retry_if_exception(lambda e: isinstance(e, LlmError) and e.transient),
         stop=stop,
-        wait=tenacity.wait_exponential(multiplier=backoff_s, min=backoff_s, max=min(30.0, backoff_s * 16)),
+        wait=tenacity.wait_exponential(multiplier=min(backoff_s, 30.0), min=min(backoff_s, 30.0),
+                                       max=min(30.0, backoff_s * 16)),
         sleep=sleep,
         reraise=True,
     )

@@ -79,6 +79,8 @@ def save_dense(model, folder: Path, torch_dtype) -> None:
     save_model(model, str(folder / "model.safetensors"))
     config = model.config.to_dict()
     config.pop("quantization_config", None)
+    if not config.get("architectures"):  # vLLM picks its model class from this
+        config["architectures"] = [type(model).__name__]
     config["torch_dtype"] = config["dtype"] = str(torch_dtype).replace("torch.", "")
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     if getattr(model, "generation_config", None) is not None:

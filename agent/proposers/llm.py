@@ -313,6 +313,9 @@ class LlmProposer:
             for f in files:
                 if hint and hint in f and not f.endswith("__init__.py"):
                     ranked.setdefault(f, None)
+        for f in files:  # then the rest of the surface, in path order
+            if not f.endswith("__init__.py"):
+                ranked.setdefault(f, None)
         return list(ranked)
 
     def _fresh_messages(self, ctx: ProposalContext) -> Messages:
