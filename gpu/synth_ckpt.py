@@ -140,6 +140,32 @@ def measure_margins(model, vocab, n_prompts=8, length=128, seed=7, bos=2):
     return out
 
 
+def measure_greedy(model, vocab, n_prompts=8, length=64, new_tokens=32, seed=9, bos=2):
+    """Free-running greedy (HF generate): unique tokens per sequence and step margins."""
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.randint(4, vocab, (n_prompts, length), generator=g)
+    ids[:, 0] = bos
+    dev = next(model.parameters()).device
+    try:
+        with torch.no_grad():
+            out = model.generate(ids.to(dev), attention_mask=torch.ones_like(ids).to(dev), max_new_tokens=new_tokens,
+                                 do_sample=False, output_logits=True, return_dict_in_generate=True,
+                                 pad_token_id=0, eos_token_id=None)
+    except Exception as e:  # noqa: BLE001
+        return {"error": repr(e)[:300]}
+    gen = out.sequences[:, length:]
+    m = []
+    for lg in out.logits:
+        top = torch.log_softmax(lg.float(), dim=-1).topk(2, dim=-1).values
+        m += (top[:, 0] - top[:, 1]).tolist()
+    q = quantiles(m)
+    return {"greedy_unique_per_seq": round(sum(len(set(r.tolist())) for r in gen) / n_prompts, 2),
+            "greedy_distinct_seqs": len({tuple(r.tolist()) for r in gen}), "new_tokens": new_tokens,
+            "greedy_margin_median": q.get("median"), "greedy_margin_p10": q.get("p10"), "greedy_margin_p90": q.get("p90")}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model_dir", help="folder with config.json and tokenizer files")
@@ -150,6 +176,8 @@ def main():
     ap.add_argument("--grid", action="store_true", help="also report margins over a small (sigma, scale) grid")
     ap.add_argument("--target-median", type=float, default=None,
                     help="pick (sigma, scale) from the grid whose median margin is closest to this (implies --grid)")
+    ap.add_argument("--min-unique", type=float, default=8.0,
+                    help="with --target-median: only grid points whose greedy outputs keep this many unique tokens per 32")
     ap.add_argument("--report", help="write a JSON report here")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--no-save", action="store_true", help="calibrate/report only")
@@ -182,18 +210,24 @@ def main():
         for s, sc in GRID:
             apply_knobs(model, emb0, norm0, s, sc, a.seed)
             r = measure_margins(model, vocab)
+            r.update(measure_greedy(model, vocab))
             report["grid"].append({"emb_sigma": s, "norm_scale": sc, **r})
             print(f"grid sigma={s:<5} scale={sc:<4} median={r['median']:.3f} p10={r['p10']:.3f} "
-                  f"p90={r['p90']:.3f} distinct_argmax={r['distinct_argmax']}/{r['positions']}")
+                  f"p90={r['p90']:.3f} distinct_argmax={r['distinct_argmax']}/{r['positions']} "
+                  f"greedy unique/seq={r.get('greedy_unique_per_seq')} margin med={r.get('greedy_margin_median')}", flush=True)
     if a.target_median is not None:
-        best = min(report["grid"], key=lambda r: (abs(math.log(max(r["median"], 1e-3) / a.target_median)),
-                                                  -r["distinct_argmax"]))
+        # non-degenerate first: free-running greedy must keep at least min_unique distinct tokens
+        # per 32-token sequence on average (tied embeddings + sharper logits favour self-repeats)
+        ok = [r for r in report["grid"] if (r.get("greedy_unique_per_seq") or 0) >= a.min_unique] or report["grid"]
+        best = min(ok, key=lambda r: (abs(math.log(max(r["median"], 1e-3) / a.target_median)),
+                                      -r["distinct_argmax"]))
         a.emb_sigma, a.norm_scale = best["emb_sigma"], best["norm_scale"]
         report["knobs"] = {"emb_sigma": a.emb_sigma, "norm_scale": a.norm_scale, "target_median": a.target_median}
         print(f"calibrated: sigma={a.emb_sigma} scale={a.norm_scale} (target median {a.target_median})")
     apply_knobs(model, emb0, norm0, a.emb_sigma, a.norm_scale, a.seed)
     del emb0, norm0
     report["margins"] = measure_margins(model, vocab)
+    report["margins"].update(measure_greedy(model, vocab))
     print("chosen margins:", json.dumps(report["margins"]))
     if not a.no_save:
         model.save_pretrained(a.out_dir)
