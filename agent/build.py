@@ -1,7 +1,10 @@
 """Build: the candidate's Python tree, with the installed vLLM's compiled parts linked in."""
 from __future__ import annotations
 
+import compileall
 import hashlib
+import importlib.util
+import os
 import importlib.metadata
 import py_compile
 import time
@@ -11,6 +14,8 @@ import git
 
 from agent.checkout import COMPILED_SUFFIXES, installed_vllm
 from traces.schema import Build
+
+HASHED = py_compile.PycInvalidationMode.CHECKED_HASH
 
 
 class BuildError(RuntimeError):
@@ -36,15 +41,39 @@ def link_compiled_parts(tree: Path) -> Path:
     return package
 
 
-def build(candidate: int, worktree: Path, changed: list[str]) -> Build:
+def precompile(tree: Path) -> None:
+    """Byte-compile the whole tree with hash-checked pycs, so other trees can share them."""
+    compileall.compile_dir(str(tree / "vllm"), quiet=1, workers=0, invalidation_mode=HASHED)
+
+
+def share_bytecode(source: Path, tree: Path) -> int:
+    """Hard-link `source`'s hash-checked pycs into `tree`: valid exactly where the source is identical."""
+    linked = 0
+    for pyc in source.glob("vllm/**/__pycache__/*.pyc"):
+        target = tree / pyc.relative_to(source)
+        if target.exists():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.link(pyc, target)
+        linked += 1
+    return linked
+
+
+def build(candidate: int, worktree: Path, changed: list[str], bytecode_from: Path | None = None) -> Build:
     started = time.time()
     for rel in changed:
         path = worktree / rel
         if path.suffix == ".py" and path.exists():
+            pyc = Path(importlib.util.cache_from_source(str(path)))
+            pyc.unlink(missing_ok=True)
             try:
-                py_compile.compile(str(path), doraise=True, cfile=str(worktree / ".nightshift" / "check.pyc"))
+                py_compile.compile(str(path), doraise=True, invalidation_mode=HASHED)
             except py_compile.PyCompileError as exc:
                 raise BuildError(f"{rel} does not compile: {exc.msg.strip()[-2000:]}") from None
+    if bytecode_from is not None:
+        share_bytecode(bytecode_from, worktree)
+    else:
+        precompile(worktree)
     compiled_from = link_compiled_parts(worktree)
     repo = git.Repo(worktree)
     repo.git.add("-A")

@@ -74,6 +74,8 @@ class Benchmark(Strict):
     check_tokens: bool = False
     """Also require the benchmark's tokens to equal the incumbent's (only if batching is invariant)."""
     request_timeout_s: float = Field(300, gt=0)
+    ceiling_tokens_per_s: float | None = Field(None, gt=0)
+    """The roofline ceiling for the metric; a candidate measured above it is quarantined."""
 
 
 class Acceptance(Strict):
@@ -83,7 +85,10 @@ class Acceptance(Strict):
 
 class EditSurface(Strict):
     include: list[str] = Field(min_length=1)
+    """fnmatch globs over paths relative to the checkout root (`*` also matches `/`)."""
     exclude: list[str] = Field(default_factory=list)
+    engine_args: list[str] = Field(default_factory=list)
+    """Engine args a candidate may change from the baseline."""
 
 
 class Budget(Strict):
@@ -159,6 +164,14 @@ class Task(Strict):
     proposer: ProposerSpec
     sandbox: Sandbox = Field(default_factory=Sandbox)
 
+    @model_validator(mode="after")
+    def _flags_inside_surface(self):
+        if isinstance(self.proposer, FlagsProposer):
+            outside = sorted(set(self.proposer.space) - set(self.edit_surface.engine_args))
+            if outside:
+                raise ValueError(f"proposer.space searches {outside}, which edit_surface.engine_args does not allow")
+        return self
+
 
 class TaskError(ValueError):
     pass
@@ -203,7 +216,9 @@ def load_task(path: Path) -> Task:
 
 
 def with_overrides(task: Task, **sections: dict[str, Any]) -> Task:
+    """A copy of the task with sections updated key by key; `proposer` is replaced whole."""
     data = task.model_dump(mode="json")
     for name, values in sections.items():
-        data[name] = {**data.get(name, {}), **values} if isinstance(data.get(name), dict) else values
+        merge = name != "proposer" and isinstance(data.get(name), dict)
+        data[name] = {**data[name], **values} if merge else values
     return parse_task(data, "<overrides>")

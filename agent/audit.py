@@ -1,0 +1,84 @@
+"""Audit a finished (or crashed) run: the trace chain is intact and the branch is what it says."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import git
+
+from agent.workspace import SERVE_FILE
+from traces import TraceError, read_trace
+from traces.schema import Commit, Decision, PatchApplied, Record, RunStarted
+
+TRAILER = "Nightshift-Trace-Event:"
+
+
+@dataclass
+class AuditResult:
+    records: int
+    commits: int
+    finished: bool
+    notes: list[str] = field(default_factory=list)
+
+
+def resolve_run(run: str, runs_dir: Path) -> Path:
+    path = Path(run)
+    for candidate in (path, Path(runs_dir) / run):
+        if (candidate / "trace.jsonl").is_file():
+            return candidate
+    raise FileNotFoundError(f"no run at {run} (looked for trace.jsonl there and in {runs_dir})")
+
+
+def audit(run_dir: Path) -> AuditResult:
+    """Raises TraceError naming the first bad record (1-based line)."""
+    records = read_trace(Path(run_dir) / "trace.jsonl")
+    started: RunStarted = records[0].event
+    by_sha = {r.sha256: r for r in records}
+    commit_records = [r for r in records if isinstance(r.event, Commit)]
+    _check_keeps_committed(records, commit_records)
+    try:
+        repo = git.Repo(started.checkout)
+        shas = repo.git.rev_list("--reverse", "--first-parent", f"{started.base_commit}..{started.branch}").split()
+    except (git.GitError, git.NoSuchPathError) as exc:
+        raise TraceError(1, f"cannot read branch {started.branch} in {started.checkout}: {exc}") from None
+    for index, record in enumerate(commit_records):
+        event: Commit = record.event
+        line = record.seq + 1
+        if index >= len(shas):
+            raise TraceError(line, f"commit {event.commit[:12]} is not on branch {started.branch}")
+        if shas[index] != event.commit:
+            raise TraceError(line, f"branch has {shas[index][:12]} where the trace says {event.commit[:12]}")
+        message = repo.commit(event.commit).message
+        trailer = next((l.split(":", 1)[1].strip() for l in message.splitlines() if l.startswith(TRAILER)), "")
+        if trailer != event.decision_sha256:
+            raise TraceError(line, f"commit {event.commit[:12]} carries trace event {trailer[:12] or 'none'}, "
+                                   f"not {event.decision_sha256[:12]}")
+        decision = by_sha.get(event.decision_sha256)
+        if decision is None or not isinstance(decision.event, Decision) or decision.event.verdict != "keep" \
+                or decision.event.candidate != event.candidate:
+            raise TraceError(line, "commit does not point at a keep decision for its candidate")
+        applied = _applied(records, event.candidate)
+        changed = set(repo.git.diff("--name-only", f"{event.commit}^", event.commit).split())
+        extra = changed - set(applied.files if applied else []) - {SERVE_FILE}
+        if extra:
+            raise TraceError(line, f"commit changes files the candidate's patch did not: {sorted(extra)}")
+    if len(shas) > len(commit_records):
+        raise TraceError(len(records), f"branch has {len(shas) - len(commit_records)} commit(s) the trace "
+                                       f"does not account for, first {shas[len(commit_records)][:12]}")
+    finished = records[-1].event.kind == "run_finished"
+    notes = [] if finished else ["the run did not finish (no run_finished record): it crashed or is still running"]
+    return AuditResult(records=len(records), commits=len(commit_records), finished=finished, notes=notes)
+
+
+def _applied(records: list[Record], candidate: int) -> PatchApplied | None:
+    return next((r.event for r in records if isinstance(r.event, PatchApplied) and r.event.candidate == candidate),
+                None)
+
+
+def _check_keeps_committed(records: list[Record], commits: list[Record]) -> None:
+    committed = {r.event.decision_sha256 for r in commits}
+    last = records[-1].sha256
+    for record in records:
+        if isinstance(record.event, Decision) and record.event.verdict == "keep" and record.sha256 not in committed \
+                and record.sha256 != last:
+            raise TraceError(record.seq + 1, f"candidate {record.event.candidate} was kept but never committed")

@@ -1,0 +1,96 @@
+"""The benchmark: interleaved, repeated passes of the workload; the clock and counts are ours."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from agent.requests import complete_all, draw_prompts
+from agent.stats import SpeedupEstimate, estimate_speedup
+from agent.task import Task
+from sandbox.base import Server
+from traces.schema import BenchReport, Sample
+
+
+class WorkMismatch(RuntimeError):
+    """A server returned other work than was asked for (fewer tokens, or other tokens)."""
+
+
+@dataclass
+class Pass:
+    sample: Sample
+    outputs: list[list[int]]
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+async def timed_pass(server: Server, role: str, repetition: int, prompts: list[list[int]], output_len: int,
+                     concurrency: int | None, timeout_s: float) -> Pass:
+    async with server.client(timeout_s) as client:
+        started = time.perf_counter()
+        completions = await complete_all(client, prompts, output_len, concurrency)
+        seconds = time.perf_counter() - started
+    outputs = [c.tokens for c in completions]
+    short = [i for i, tokens in enumerate(outputs) if len(tokens) != output_len]
+    if short:
+        raise WorkMismatch(f"{role}: {len(short)} of {len(prompts)} requests did not return exactly "
+                           f"{output_len} tokens (first: prompt {short[0]}, {len(outputs[short[0]])} tokens)")
+    input_tokens = sum(len(p) for p in prompts)
+    output_tokens = sum(len(t) for t in outputs)
+    ttft = [c.ttft_ms for c in completions if c.ttft_ms is not None]
+    tpot = [c.tpot_ms for c in completions if c.tpot_ms is not None]
+    sample = Sample(role=role, repetition=repetition, seconds=seconds, input_tokens=input_tokens,
+                    output_tokens=output_tokens, total_tokens_per_s=(input_tokens + output_tokens) / seconds,
+                    output_tokens_per_s=output_tokens / seconds, ttft_ms_p50=_percentile(ttft, 50),
+                    ttft_ms_p99=_percentile(ttft, 99), tpot_ms_p50=_percentile(tpot, 50),
+                    tpot_ms_p99=_percentile(tpot, 99))
+    return Pass(sample, outputs)
+
+
+async def warm_up(server: Server, task: Task, vocab_size: int, seed: int) -> None:
+    if task.benchmark.warmup_requests:
+        prompts = draw_prompts(seed, task.benchmark.warmup_requests, task.workload.input_len, vocab_size)
+        async with server.client(task.benchmark.request_timeout_s) as client:
+            await complete_all(client, prompts, task.workload.output_len, task.workload.concurrency)
+
+
+async def compare(task: Task, incumbent: Server, candidate: Server, vocab_size: int,
+                  seeds: list[int]) -> tuple[list[Sample], SpeedupEstimate, str]:
+    """Interleave incumbent and candidate (ABBA order) over fresh prompts for each repetition."""
+    w, b = task.workload, task.benchmark
+    await warm_up(incumbent, task, vocab_size, seeds[0])
+    await warm_up(candidate, task, vocab_size, seeds[0])
+    samples: list[Sample] = []
+    checked = 0
+    for repetition, seed in enumerate(seeds[1:]):
+        prompts = draw_prompts(seed, w.num_prompts, w.input_len, vocab_size)
+        order = [("incumbent", incumbent), ("candidate", candidate)]
+        if repetition % 2:
+            order.reverse()
+        passes = {}
+        for role, server in order:
+            passes[role] = await timed_pass(server, role, repetition, prompts, w.output_len, w.concurrency,
+                                            b.request_timeout_s)
+            samples.append(passes[role].sample)
+        if b.check_tokens:
+            if passes["candidate"].outputs != passes["incumbent"].outputs:
+                raise WorkMismatch(f"repetition {repetition}: benchmark tokens differ from the incumbent's")
+            checked += len(prompts)
+    metric = b.metric
+    cand = [getattr(s, metric) for s in samples if s.role == "candidate"]
+    inc = [getattr(s, metric) for s in samples if s.role == "incumbent"]
+    estimate = estimate_speedup(cand, inc, task.acceptance.min_speedup, task.acceptance.confidence)
+    note = (f"every request returned exactly {w.output_len} tokens"
+            + (f"; {checked} outputs identical to the incumbent's" if b.check_tokens else
+               "; tokens not compared (batching is not invariant in this regime)"))
+    return samples, estimate, note
+
+
+def report(candidate: int, task: Task, samples: list[Sample], estimate: SpeedupEstimate, proof, note: str):
+    return BenchReport(candidate=candidate, metric=task.benchmark.metric, samples=samples,
+                       speedup=estimate.speedup, ci_low=estimate.ci_low, ci_high=estimate.ci_high,
+                       confidence=estimate.confidence, p_value=estimate.p_value, liveness=proof.liveness,
+                       output_check=note)

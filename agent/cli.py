@@ -1,0 +1,126 @@
+"""The `nightshift` command: run, review, replay, checkout."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from agent.task import TaskError, load_task, with_overrides
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Optimize vLLM serving unattended; keep only changes with identical greedy tokens.")
+console = Console()
+DEFAULT_TASK = Path(__file__).resolve().parent.parent / "tasks" / "gemma4-tiny-cpu.yaml"
+
+
+def fail(message: str, code: int = 2) -> None:
+    console.print(f"[red]error:[/red] {message}")
+    raise typer.Exit(code)
+
+
+@app.command()
+def run(
+    task_file: Path = typer.Argument(DEFAULT_TASK, help="task YAML (default: the built-in CPU task)"),
+    runs_dir: Path = typer.Option(Path("runs"), help="where run folders are written"),
+    proposer: Optional[str] = typer.Option(None, help="override the task's proposer: flags or queue"),
+    patches: Optional[Path] = typer.Option(None, help="patch folder for --proposer queue"),
+    max_candidates: Optional[int] = typer.Option(None, help="override budget.max_candidates"),
+    checkout: Optional[Path] = typer.Option(None, help="override target.checkout"),
+    quiet: bool = typer.Option(False, help="no live view"),
+):
+    """Run an optimization task; ends with a branch nightshift/<run-id> and runs/<run-id>/."""
+    from agent.loop import Loop
+    from agent.proposers import make_proposer
+    from agent.report import write_summary
+    from agent.setup import RunSetup, SetupError
+    from agent.view import LiveView
+
+    try:
+        task = load_task(task_file)
+        if proposer == "queue" or patches:
+            if not patches:
+                fail("--proposer queue needs --patches DIR")
+            task = with_overrides(task, proposer={"kind": "queue", "patches": str(patches.resolve())})
+        elif proposer and proposer != task.proposer.kind:
+            fail(f"the task has no configuration for proposer {proposer!r}; set it in the task file")
+        if max_candidates:
+            task = with_overrides(task, budget={"max_candidates": max_candidates})
+        if checkout:
+            task = with_overrides(task, target={"checkout": str(checkout.resolve())})
+        setup = RunSetup(task, runs_dir)
+        chosen = make_proposer(task)
+    except (TaskError, SetupError, FileNotFoundError, ValueError) as exc:
+        fail(str(exc))
+    console.print(f"run [bold]{setup.run_id}[/bold] -> {setup.run_dir}  branch {setup.workspace.branch}")
+    view = LiveView(task, console, enabled=not quiet)
+    with view:
+        finished = Loop(setup, chosen, on_event=view.update).run()
+    summary = write_summary(setup.run_dir)
+    console.print(summary)
+    console.print(f"finished: {finished.reason}; kept {finished.kept} of {finished.candidates}; "
+                  f"cumulative speedup {finished.best_speedup:.3f}x; {finished.seconds:.0f}s")
+
+
+@app.command()
+def review(run: str = typer.Argument(..., help="run folder or run id"),
+           runs_dir: Path = typer.Option(Path("runs"))):
+    """Show the run's branch as a table: what changed, speedup and interval, parity evidence."""
+    from agent.audit import resolve_run
+    from agent.report import review_tables
+
+    try:
+        run_dir = resolve_run(run, runs_dir)
+    except FileNotFoundError as exc:
+        fail(str(exc))
+    for table in review_tables(run_dir):
+        console.print(table)
+
+
+@app.command()
+def replay(run: str = typer.Argument(..., help="run folder or run id"),
+           runs_dir: Path = typer.Option(Path("runs"))):
+    """Audit a run: the trace's hash chain is intact and the branch is exactly what it accepted."""
+    from agent.audit import audit, resolve_run
+    from traces import TraceError
+
+    try:
+        run_dir = resolve_run(run, runs_dir)
+        result = audit(run_dir)
+    except FileNotFoundError as exc:
+        fail(str(exc))
+    except TraceError as exc:
+        console.print(f"[red]audit failed[/red] at record {exc.line}: {exc}")
+        raise typer.Exit(1)
+    console.print(f"[green]audit ok[/green]: {result.records} records, chain intact; "
+                  f"{result.commits} commit(s) on the branch, each matching its keep decision")
+    for note in result.notes:
+        console.print(f"[yellow]note:[/yellow] {note}")
+
+
+@app.command()
+def checkout(dest: Optional[Path] = typer.Option(None, help="where to create it (default: the cache)")):
+    """Make a git repo of the installed vLLM's Python sources, tagged v<version>."""
+    from agent.checkout import CheckoutError, create_checkout
+
+    try:
+        path, version = create_checkout(dest)
+    except CheckoutError as exc:
+        fail(str(exc))
+    console.print(json.dumps({"checkout": str(path), "vllm_version": version, "tag": f"v{version}"}))
+
+
+@app.command()
+def validate(task_file: Path):
+    """Check a task file and print it resolved."""
+    try:
+        task = load_task(task_file)
+    except TaskError as exc:
+        fail(str(exc))
+    console.print_json(task.model_dump_json())
+
+
+if __name__ == "__main__":
+    app()

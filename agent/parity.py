@@ -1,0 +1,46 @@
+"""The parity gate: greedy token ids must equal the reference's, position for position."""
+from __future__ import annotations
+
+import hashlib
+import json
+
+from agent.requests import Completion, complete_all
+from sandbox.base import Server
+from traces.schema import Divergence, ParityReport
+
+
+def first_divergence(reference: list[list[int]], candidate: list[list[int]], expected_len: int) -> Divergence | None:
+    """The first prompt (and position) where the candidate's tokens differ or its length is wrong."""
+    for index, (ref, got) in enumerate(zip(reference, candidate, strict=True)):
+        if ref == got and len(got) == expected_len:
+            continue
+        position = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+        return Divergence(prompt_index=index, position=position,
+                          expected=ref[position] if position < len(ref) else None,
+                          got=got[position] if position < len(got) else None,
+                          expected_len=len(ref), got_len=len(got))
+    return None
+
+
+def digest(prompts: list[list[int]], outputs: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps([prompts, outputs], separators=(",", ":")).encode()).hexdigest()
+
+
+async def generate(server: Server, prompts: list[list[int]], max_tokens: int, regime: str,
+                   timeout_s: float) -> list[list[int]]:
+    async with server.client(timeout_s) as client:
+        completions: list[Completion] = await complete_all(
+            client, prompts, max_tokens, 1 if regime == "sequential" else None)
+    return [c.tokens for c in completions]
+
+
+async def check_parity(candidate: int, reference: Server, subject: Server, prompts: list[list[int]],
+                       max_tokens: int, regime: str, timeout_s: float) -> ParityReport:
+    expected = await generate(reference, prompts, max_tokens, regime, timeout_s)
+    divergence = first_divergence(expected, expected, max_tokens)
+    if divergence is not None:
+        raise RuntimeError(f"reference server returned {divergence.expected_len} tokens, not {max_tokens}")
+    got = await generate(subject, prompts, max_tokens, regime, timeout_s)
+    divergence = first_divergence(expected, got, max_tokens)
+    return ParityReport(candidate=candidate, ok=divergence is None, regime=regime, prompts=len(prompts),
+                        tokens_per_prompt=max_tokens, digest=digest(prompts, got), divergence=divergence)

@@ -1,0 +1,71 @@
+"""Search the task's declared engine-arg space with Optuna (TPE), one configuration per candidate."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import optuna
+
+from agent.proposers.base import Attempt, ProposalContext, ProposerExhausted
+from agent.task import FlagsProposer as FlagsConfig
+from traces.schema import Proposal
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+class FlagsProposer:
+    name = "flags"
+
+    def __init__(self, config: FlagsConfig, baseline_args: dict):
+        self.space = config.space
+        self.baseline = baseline_args
+        self.study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=config.seed))
+        self.tried: set[str] = {self._key({k: baseline_args.get(k) for k in self.space})}
+        self.combinations = 1
+        for values in self.space.values():
+            self.combinations *= len(values)
+        self.trials: dict[int, optuna.trial.Trial] = {}
+
+    @staticmethod
+    def _key(params: dict) -> str:
+        return json.dumps(params, sort_keys=True)
+
+    def propose(self, ctx: ProposalContext) -> Proposal:
+        for _ in range(200):
+            if len(self.tried) >= self.combinations:
+                break
+            trial = self.study.ask()
+            params = {name: trial.suggest_categorical(name, values) for name, values in self.space.items()}
+            key = self._key({k: {**ctx.incumbent_args, **params}.get(k) for k in self.space})
+            if key in self.tried:
+                self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                continue
+            self.tried.add(key)
+            self.trials[ctx.candidate] = trial
+            changed = {k: v for k, v in params.items() if ctx.incumbent_args.get(k) != v}
+            summary = "flags: " + ", ".join(f"{k}={v}" for k, v in sorted(changed.items()))
+            return Proposal(candidate=ctx.candidate, proposer=self.name, summary=summary, engine_args=params,
+                            meta={"trial": trial.number})
+        untried = self._first_untried(ctx.incumbent_args)
+        if untried is None:
+            raise ProposerExhausted("every configuration in the search space was tried")
+        self.tried.add(self._key(untried))
+        return Proposal(candidate=ctx.candidate, proposer=self.name, engine_args=untried,
+                        summary="flags: " + ", ".join(f"{k}={v}" for k, v in sorted(untried.items())))
+
+    def _first_untried(self, incumbent: dict) -> dict | None:
+        for values in itertools.product(*self.space.values()):
+            params = dict(zip(self.space, values))
+            if self._key({k: {**incumbent, **params}.get(k) for k in self.space}) not in self.tried:
+                return params
+        return None
+
+    def observe(self, attempt: Attempt) -> None:
+        trial = self.trials.pop(attempt.proposal.candidate, None)
+        if trial is None:
+            return
+        decision = attempt.decision
+        if decision.speedup is None:
+            self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        else:
+            self.study.tell(trial, decision.speedup)

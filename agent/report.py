@@ -1,0 +1,79 @@
+"""Run summaries and the review tables, read back from the trace alone."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.table import Table
+
+from traces import read_trace
+from traces.schema import BenchReport, Commit, Decision, ParityReport, PatchApplied, Proposal, RunFinished
+
+
+def _by_candidate(records) -> dict[int, dict]:
+    out: dict[int, dict] = {}
+    for record in records:
+        event = record.event
+        n = getattr(event, "candidate", None)
+        if n is not None and n > 0:
+            out.setdefault(n, {})[event.kind] = event
+    return out
+
+
+def write_summary(run_dir: Path) -> str:
+    records = read_trace(Path(run_dir) / "trace.jsonl")
+    candidates = _by_candidate(records)
+    finished = next((r.event for r in records if isinstance(r.event, RunFinished)), None)
+    rows, measurements = [], []
+    for n, events in sorted(candidates.items()):
+        proposal: Proposal | None = events.get("proposal")
+        decision: Decision | None = events.get("decision")
+        bench: BenchReport | None = events.get("benchmark")
+        rows.append({"candidate": n, "summary": proposal.summary if proposal else "",
+                     "verdict": decision.verdict if decision else "unfinished",
+                     "stage": decision.stage if decision else "", "reason": decision.reason if decision else "",
+                     "speedup": bench.speedup if bench else None,
+                     "ci": [bench.ci_low, bench.ci_high] if bench else None})
+        if bench:
+            measurements += [{"candidate": n, **s.model_dump()} for s in bench.samples]
+    summary = {"run_id": records[0].event.run_id, "finished": finished.model_dump() if finished else None,
+               "candidates": rows}
+    (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+    (Path(run_dir) / "measurements.json").write_text(json.dumps(measurements, indent=2))
+    lines = [f"{r['candidate']:>3} {r['verdict']:<8} {r['stage']:<10} {r['summary'][:50]:<50} {r['reason'][:80]}"
+             for r in rows]
+    return "\n".join(["  # verdict  stage      summary" + " " * 43 + "reason", *lines])
+
+
+def review_tables(run_dir: Path) -> list[Table]:
+    records = read_trace(Path(run_dir) / "trace.jsonl")
+    candidates = _by_candidate(records)
+    kept = Table(title=f"branch {records[0].event.branch} (base {records[0].event.base_commit[:12]})")
+    for column in ("commit", "candidate", "what changed", "speedup [interval]", "parity evidence", "samples"):
+        kept.add_column(column)
+    for record in records:
+        if not isinstance(record.event, Commit):
+            continue
+        events = candidates[record.event.candidate]
+        proposal: Proposal = events["proposal"]
+        applied: PatchApplied = events["patch_applied"]
+        parity: ParityReport = events["parity"]
+        bench: BenchReport = events["benchmark"]
+        changed = ", ".join(applied.files) or "flags: " + ", ".join(f"{k}={v}" for k, v in proposal.engine_args.items())
+        live = f"; live: {len(bench.liveness.imported_patched)}/{len(bench.liveness.patched_files)} files imported" \
+            if bench.liveness and bench.liveness.patched_files else ""
+        kept.add_row(record.event.commit[:12], str(record.event.candidate), f"{proposal.summary}\n{changed}",
+                     f"{bench.speedup:.3f}x [{bench.ci_low:.3f}, {bench.ci_high:.3f}] @{bench.confidence:.0%}\n"
+                     f"p={bench.p_value:.4f}",
+                     f"{parity.prompts} prompts x {parity.tokens_per_prompt} tokens identical ({parity.regime})\n"
+                     f"digest {parity.digest[:16]}{live}",
+                     f"{len(bench.samples) // 2} paired reps\n{bench.output_check[:60]}")
+    rejected = Table(title="not kept")
+    for column in ("candidate", "proposal", "verdict", "stage", "reason"):
+        rejected.add_column(column)
+    for n, events in sorted(candidates.items()):
+        decision: Decision | None = events.get("decision")
+        if decision and decision.verdict != "keep":
+            rejected.add_row(str(n), events["proposal"].summary[:60], decision.verdict, decision.stage,
+                             decision.reason[:160])
+    return [kept, rejected]

@@ -1,0 +1,82 @@
+"""Greedy completion requests with token-id prompts, timed and counted on the harness side."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+FIRST_REGULAR_TOKEN = 4
+
+
+def draw_prompts(seed: int, count: int, length: int, vocab_size: int) -> list[list[int]]:
+    """Random token-id prompts; special ids below FIRST_REGULAR_TOKEN are never drawn."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(FIRST_REGULAR_TOKEN, vocab_size, size=(count, length)).tolist()
+
+
+@dataclass
+class Completion:
+    tokens: list[int] = field(default_factory=list)
+    sent: float = 0.0
+    first_token: float | None = None
+    done: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return None if self.first_token is None else (self.first_token - self.sent) * 1000
+
+    @property
+    def tpot_ms(self) -> float | None:
+        if self.first_token is None or len(self.tokens) < 2:
+            return None
+        return (self.done - self.first_token) * 1000 / (len(self.tokens) - 1)
+
+
+class RequestError(RuntimeError):
+    pass
+
+
+def _body(prompt: list[int], max_tokens: int, model: str, stream: bool) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True, "stream": stream, "seed": 0}
+
+
+async def complete(client: httpx.AsyncClient, prompt: list[int], max_tokens: int,
+                   model: str = "model") -> Completion:
+    """One streamed greedy completion; token ids come from the stream, the clock is ours."""
+    result = Completion(sent=time.perf_counter())
+    async with client.stream("POST", "/v1/completions", json=_body(prompt, max_tokens, model, True)) as response:
+        if response.status_code != 200:
+            detail = (await response.aread()).decode(errors="replace")[:500]
+            raise RequestError(f"HTTP {response.status_code}: {detail}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                ids = choice.get("token_ids") or []
+                if ids:
+                    now = time.perf_counter()
+                    if result.first_token is None:
+                        result.first_token = now
+                    result.tokens.extend(int(t) for t in ids)
+                    result.chunk_times.append(now)
+    result.done = time.perf_counter()
+    return result
+
+
+async def complete_all(client: httpx.AsyncClient, prompts: list[list[int]], max_tokens: int,
+                       concurrency: int | None) -> list[Completion]:
+    """All prompts, at most `concurrency` in flight (None: all at once, 1: one at a time)."""
+    limit = asyncio.Semaphore(concurrency or len(prompts) or 1)
+
+    async def one(prompt: list[int]) -> Completion:
+        async with limit:
+            return await complete(client, prompt, max_tokens)
+
+    return list(await asyncio.gather(*(one(p) for p in prompts)))

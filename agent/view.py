@@ -1,0 +1,61 @@
+"""The live view: candidate, stage, best speedup so far, budget left."""
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from agent.task import Task
+
+STAGE_AFTER = {"run_started": "starting baseline servers", "self_parity": "self-parity checked",
+               "proposal": "applying", "patch_applied": "building", "build": "starting server + parity",
+               "parity": "benchmarking", "benchmark": "deciding", "decision": "decided", "commit": "committed",
+               "llm_call": "asking the LLM", "proposal_invalid": "proposal invalid", "run_finished": "finished"}
+
+
+class LiveView:
+    def __init__(self, task: Task, console: Console, enabled: bool = True):
+        self.task, self.console, self.enabled = task, console, enabled
+        self.started = time.time()
+        self.candidate, self.stage, self.best, self.kept, self.spend = 0, "preparing", 1.0, 0, 0.0
+        self.last = ""
+        self.live = Live(self.render(), console=console, refresh_per_second=2, transient=False) if enabled else None
+
+    def render(self) -> Table:
+        budget = self.task.budget
+        left_s = max(0.0, budget.wall_clock_s - (time.time() - self.started))
+        table = Table(title=f"nightshift · {self.task.name}", show_header=False)
+        table.add_row("candidate", f"{self.candidate} of {budget.max_candidates}")
+        table.add_row("stage", self.stage)
+        table.add_row("kept", str(self.kept))
+        table.add_row("best speedup", f"{self.best:.3f}x")
+        table.add_row("budget left", f"{budget.max_candidates - self.candidate} candidates, {left_s / 60:.1f} min"
+                      + (f", ${self.spend:.4f} spent" if self.spend else ""))
+        table.add_row("last", self.last)
+        return table
+
+    def update(self, event) -> None:
+        self.stage = STAGE_AFTER.get(event.kind, event.kind)
+        self.candidate = getattr(event, "candidate", self.candidate) or self.candidate
+        if event.kind == "decision":
+            self.last = f"#{event.candidate} {event.verdict} at {event.stage}: {event.reason[:90]}"
+            if event.verdict == "keep":
+                self.kept += 1
+                self.best *= event.speedup
+        if event.kind == "llm_call":
+            self.spend += event.cost_usd
+        if self.live:
+            self.live.update(self.render())
+        else:
+            self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {event.kind} {self.last if event.kind == 'decision' else ''}")
+
+    def __enter__(self):
+        if self.live:
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.live:
+            self.live.__exit__(*exc)
