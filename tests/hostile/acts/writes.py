@@ -8,7 +8,7 @@ from vllm.entrypoints.cli.stub_server import serve
 PROBES = ["/nightshift-probe", "/etc/nightshift-probe", "/usr/nightshift-probe", "/var/nightshift-probe",
           "/root/nightshift-probe", "/sandbox/nightshift-probe", "/sandbox/tree/nightshift-probe",
           "/sandbox/tree/vllm/__init__.py", "/sandbox/model/nightshift-probe",
-          "/sandbox/recorder/sitecustomize.py", "/tmp/nightshift-probe", "/dev/shm/nightshift-probe"]
+          "/sandbox/recorder/sitecustomize.py", "/sandbox/recorder/nightshift-probe", "/tmp/nightshift-probe", "/dev/shm/nightshift-probe"]
 
 
 def try_write(path: str) -> str:
