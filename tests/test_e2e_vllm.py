@@ -1,0 +1,111 @@
+"""End to end on the real vLLM CPU build: real servers, real git, real parity and benchmark."""
+from pathlib import Path
+
+import git
+import pytest
+
+from agent.audit import audit
+from agent.loop import Loop
+from agent.proposers import make_proposer
+from agent.report import review_tables, write_summary
+from agent.setup import RunSetup
+from agent.task import load_task, with_overrides
+from agent.workspace import SERVE_FILE, serve_args_at
+from traces import TraceError, read_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3000)]
+
+
+def run_task(tmp_path, checkout, **overrides):
+    task = load_task(ROOT / "tasks" / "gemma4-tiny-cpu.yaml")
+    task = with_overrides(task, target={"checkout": str(checkout)}, **overrides)
+    setup = RunSetup(task, tmp_path / "runs")
+    finished = Loop(setup, make_proposer(task)).run()
+    write_summary(setup.run_dir)
+    return setup, finished, read_trace(setup.run_dir / "trace.jsonl")
+
+
+def events(records, kind):
+    return [r.event for r in records if r.event.kind == kind]
+
+
+@pytest.fixture(scope="module")
+def queue_run(tmp_path_factory, vllm_checkout):
+    return run_task(tmp_path_factory.mktemp("queue"), vllm_checkout,
+                    proposer={"kind": "queue", "patches": str(ROOT / "tests" / "fixtures" / "patches")},
+                    budget={"max_candidates": 3})
+
+
+@pytest.fixture(scope="module")
+def flags_run(tmp_path_factory, vllm_checkout):
+    return run_task(tmp_path_factory.mktemp("flags"), vllm_checkout,
+                    proposer={"kind": "flags", "seed": 0, "space": {"max_num_seqs": [4, 32]}},
+                    budget={"max_candidates": 2})
+
+
+def test_queue_run_rejects_each_bad_patch_at_its_stage(queue_run):
+    setup, finished, records = queue_run
+    assert events(records, "self_parity")[0].ok
+    decisions = {d.candidate: d for d in events(records, "decision")}
+    assert decisions[1].stage == "surface" and "outside the edit surface" in decisions[1].reason
+    assert not [e for e in events(records, "build") if e.candidate == 1], "rejected before build"
+    assert decisions[2].stage == "parity" and decisions[2].verdict == "discard"
+    parity = [p for p in events(records, "parity") if p.candidate == 2][0]
+    assert not parity.ok and parity.divergence.position >= 0
+    assert f"prompt {parity.divergence.prompt_index} diverges at token {parity.divergence.position}" \
+        in decisions[2].reason
+    assert decisions[3].verdict == "discard" and decisions[3].stage == "decision", decisions[3].reason
+    bench = [b for b in events(records, "benchmark") if b.candidate == 3][0]
+    assert bench.liveness.imported_patched == ["vllm/model_executor/models/gemma4.py"]
+    assert len([s for s in bench.samples if s.role == "candidate"]) == 5
+    assert finished.kept == 0 and setup.workspace.head() == setup.base_commit
+    assert audit(setup.run_dir).commits == 0
+
+
+def test_flags_search_commits_a_real_improvement(flags_run):
+    setup, finished, records = flags_run
+    keep = [d for d in events(records, "decision") if d.verdict == "keep"]
+    assert len(keep) == 1, [d.reason for d in events(records, "decision")]
+    assert keep[0].ci_low > 1.05
+    commit = events(records, "commit")[0]
+    repo = git.Repo(setup.repo.working_dir)
+    assert repo.git.rev_parse(setup.workspace.branch) == commit.commit
+    assert serve_args_at(repo, commit.commit)["max_num_seqs"] == 32
+    message = repo.commit(commit.commit).message
+    assert f"Nightshift-Trace-Event: {commit.decision_sha256}" in message
+    assert "Nightshift-Speedup:" in message and "Nightshift-Parity:" in message
+    assert audit(setup.run_dir).commits == 1
+    assert review_tables(setup.run_dir)[0].row_count == 1
+    assert finished.reason.startswith(("proposer exhausted", "budget"))
+
+
+def test_replay_catches_a_changed_byte_and_a_moved_branch(flags_run, tmp_path):
+    setup, _, records = flags_run
+    trace = setup.run_dir / "trace.jsonl"
+    original = trace.read_bytes()
+    lines = original.split(b"\n")
+    target = next(i for i, r in enumerate(records) if r.event.kind == "benchmark")
+    lines[target] = lines[target].replace(b'"speedup":', b'"speedup":1', 1)
+    trace.write_bytes(b"\n".join(lines))
+    try:
+        with pytest.raises(TraceError) as err:
+            audit(setup.run_dir)
+        assert err.value.line == target + 1
+    finally:
+        trace.write_bytes(original)
+    repo = git.Repo(setup.repo.working_dir)
+    head = repo.git.rev_parse(setup.workspace.branch)
+    worktree = tmp_path / "intruder"
+    repo.git.worktree("add", "--detach", str(worktree), head)
+    (worktree / SERVE_FILE).write_text("engine_args: {max_num_seqs: 256}\n")
+    intruder = git.Repo(worktree)
+    intruder.git.commit("-qam", "sneak", env={"GIT_AUTHOR_NAME": "x", "GIT_AUTHOR_EMAIL": "x@x",
+                                                "GIT_COMMITTER_NAME": "x", "GIT_COMMITTER_EMAIL": "x@x"})
+    repo.git.update_ref(f"refs/heads/{setup.workspace.branch}", intruder.head.commit.hexsha)
+    try:
+        with pytest.raises(TraceError, match="does not account for"):
+            audit(setup.run_dir)
+    finally:
+        repo.git.update_ref(f"refs/heads/{setup.workspace.branch}", head)
+    assert audit(setup.run_dir).commits == 1

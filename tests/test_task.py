@@ -1,0 +1,78 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from agent.task import TaskError, load_task, parse_task, with_overrides
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT = ROOT / "tasks" / "gemma4-tiny-cpu.yaml"
+
+
+def default_data() -> dict:
+    return yaml.safe_load(DEFAULT.read_text())
+
+
+def test_default_task_loads_and_resolves_paths():
+    task = load_task(DEFAULT)
+    assert task.name == "gemma4-tiny-cpu"
+    assert task.model.synthetic.config == ROOT / "tasks" / "models" / "gemma4-tiny" / "config.json"
+    assert task.model.synthetic.config.is_file()
+    assert task.proposer.kind == "flags"
+    assert set(task.proposer.space) <= set(task.edit_surface.engine_args)
+
+
+def test_unknown_key_is_rejected_with_its_path():
+    data = default_data()
+    data["workload"]["num_promts"] = 3
+    with pytest.raises(TaskError) as err:
+        parse_task(data, "t.yaml")
+    assert "workload.num_promts: Extra inputs are not permitted" in str(err.value)
+
+
+def test_bad_values_name_every_field():
+    data = default_data()
+    data["workload"]["num_prompts"] = 0
+    data["acceptance"]["confidence"] = 1.5
+    with pytest.raises(TaskError) as err:
+        parse_task(data, "t.yaml")
+    message = str(err.value)
+    assert "2 problem(s)" in message
+    assert "workload.num_prompts" in message and "acceptance.confidence" in message
+
+
+def test_model_needs_exactly_one_source():
+    data = default_data()
+    data["model"]["path"] = "/somewhere"
+    with pytest.raises(TaskError, match="exactly one of model.path"):
+        parse_task(data)
+
+
+def test_flag_space_must_be_inside_the_surface():
+    data = default_data()
+    data["proposer"]["space"]["enforce_eager"] = [True, False]
+    with pytest.raises(TaskError, match="enforce_eager"):
+        parse_task(data)
+
+
+def test_proposer_kind_is_discriminated():
+    data = default_data()
+    data["proposer"] = {"kind": "queue", "patches": "patches", "space": {}}
+    with pytest.raises(TaskError, match="proposer.queue.space"):
+        parse_task(data)
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(TaskError, match="not found"):
+        load_task(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(TaskError, match="not valid YAML"):
+        load_task(bad)
+
+
+def test_overrides_replace_the_proposer_and_merge_sections():
+    task = with_overrides(load_task(DEFAULT), proposer={"kind": "queue", "patches": "/p"},
+                          budget={"max_candidates": 1})
+    assert task.proposer.kind == "queue" and str(task.proposer.patches) == "/p"
+    assert task.budget.max_candidates == 1 and task.budget.wall_clock_s == 2400

@@ -1,0 +1,84 @@
+import pytest
+
+from traces import TraceError, TraceWriter, read_trace
+from traces.schema import Decision, Proposal, RunStarted
+
+
+def started() -> RunStarted:
+    return RunStarted(run_id="r", nightshift_version="0", vllm_version="0.32.0", torch_version="t",
+                      python_version="3", platform="p", checkout="/c", base_commit="b" * 40, branch="nightshift/r",
+                      model_sha256="m", task={"name": "x"})
+
+
+def write(path, n=4):
+    writer = TraceWriter(path)
+    hashes = [writer.append(started())]
+    for i in range(1, n):
+        hashes.append(writer.append(Proposal(candidate=i, proposer="queue", summary=f"p{i}")))
+    writer.close()
+    return hashes
+
+
+def test_chain_round_trip(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    hashes = write(path)
+    records = read_trace(path)
+    assert [r.sha256 for r in records] == hashes
+    assert records[1].prev_sha256 == hashes[0]
+    assert records[3].event.summary == "p3"
+
+
+def test_writer_resumes_the_chain(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    hashes = write(path)
+    writer = TraceWriter(path)
+    writer.append(Decision(candidate=3, verdict="discard", stage="parity", reason="x"))
+    records = read_trace(path)
+    assert len(records) == 5 and records[4].prev_sha256 == hashes[-1]
+
+
+@pytest.mark.parametrize("line", [1, 2, 3, 4])
+def test_one_changed_byte_fails_at_its_line(tmp_path, line):
+    path = tmp_path / "trace.jsonl"
+    write(path)
+    lines = path.read_bytes().split(b"\n")
+    target = lines[line - 1]
+    index = target.index(b'"time":') + 8
+    digit = target[index:index + 1]
+    lines[line - 1] = target[:index] + (b"9" if digit != b"9" else b"8") + target[index + 1:]
+    path.write_bytes(b"\n".join(lines))
+    with pytest.raises(TraceError) as err:
+        read_trace(path)
+    assert err.value.line == line
+
+
+def test_changed_prev_hash_fails_at_its_line(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    write(path)
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    lines[2] = lines[2].replace(b'"prev_sha256":"', b'"prev_sha256":"0', 1)
+    path.write_bytes(b"\n".join(lines))
+    with pytest.raises(TraceError) as err:
+        read_trace(path)
+    assert err.value.line == 3
+
+
+def test_dropped_line_breaks_the_chain(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    write(path)
+    lines = path.read_bytes().split(b"\n")
+    path.write_bytes(b"\n".join(lines[:1] + lines[2:]))
+    with pytest.raises(TraceError) as err:
+        read_trace(path)
+    assert err.value.line == 2
+
+
+def test_torn_last_line_is_reported(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    write(path)
+    data = path.read_bytes()
+    path.write_bytes(data[:-40])
+    with pytest.raises(TraceError, match="torn last line") as err:
+        read_trace(path)
+    assert err.value.line == 4
