@@ -30,7 +30,7 @@ step off_plain python3 $G/offline.py /tmp/g4s $R/off_plain.json --mode plain --t
 step off_bi8k python3 $G/offline.py /tmp/g4s $R/off_bi8k.json --mode bi --tp-prompts 200 \
   --engine-args '{"max_num_batched_tokens": 8192}' --save-tokens $R/tok_bi8k.json \
   --compare-tokens $R/tok_plain.json --tag bi_mnbt8192
+step serve python3 $G/serve_bench.py /tmp/g4s $R --phase all --util 0.3 --reps 3
 step off_bi16k python3 $G/offline.py /tmp/g4s $R/off_bi16k.json --mode bi --tp-prompts 0 \
   --engine-args '{"max_num_batched_tokens": 16384}' --compare-tokens $R/tok_bi8k.json --tag bi_mnbt16384
-step serve python3 $G/serve_bench.py /tmp/g4s $R --phase all --util 0.3 --reps 3
 echo "$(date +%T) ALLDONE" >> $R/progress.txt

@@ -219,8 +219,11 @@ def main():
     ap.add_argument("--flags-conc", type=int, default=256)
     ap.add_argument("--flags-prompts", type=int, default=384)
     ap.add_argument("--concs", default="16,64,256")
-    ap.add_argument("--candidates", default='{"mnbt16k": ["--max-num-batched-tokens", "16384"], '
-                                             '"stream8": ["--stream-interval", "8"]}')
+    ap.add_argument("--diag-conc", type=int, default=256)
+    ap.add_argument("--diag-prompts", type=int, default=768)
+    ap.add_argument("--cinf-prompts", type=int, default=1000)
+    ap.add_argument("--candidates", default='{"stream8": ["--stream-interval", "8"], '
+                                             '"mnbt16k": ["--max-num-batched-tokens", "16384"]}')
     a = ap.parse_args()
     os.makedirs(a.rdir, exist_ok=True)
     out_path = os.path.join(a.rdir, "serve.json")
@@ -240,13 +243,14 @@ def main():
         if a.phase in ("stock", "all"):
             res["stock"] = []
             for i, c in enumerate(int(x) for x in a.concs.split(",")):
-                res["stock"].append(bench(base, a.rdir, f"stock_c{c}", c, max(4 * c, 128), 10 + i, *io))
+                res["stock"].append(bench(base, a.rdir, f"stock_c{c}", c, max(3 * c, 64), 10 + i, *io))
                 save()
-            res["diag"] = [bench(base, a.rdir, "stock_cinf", 0, 1000, 20, *io)]
+            res["diag"] = [bench(base, a.rdir, "stock_cinf", 0, a.cinf_prompts, 20, *io)]
             save()
-            res["diag"].append(tokid_run(base, "tokid_nostream_c256", 256, 1024, 21, *io, stream=False))
+            dc, dn = a.diag_conc, a.diag_prompts
+            res["diag"].append(tokid_run(base, f"tokid_nostream_c{dc}", dc, dn, 21, *io, stream=False))
             save()
-            res["diag"].append(tokid_run(base, "tokid_stream_c256", 256, 1024, 22, *io, stream=True))
+            res["diag"].append(tokid_run(base, f"tokid_stream_c{dc}", dc, dn, 22, *io, stream=True))
             save()
         if a.phase in ("flags", "all"):
             cands = json.loads(a.candidates)
