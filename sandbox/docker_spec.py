@@ -70,10 +70,10 @@ def container_spec(spec: ServerSpec, *, image: str, run: str, io_dir: Path, reco
     tree, model = Path(spec.source_tree).resolve(), Path(spec.model_dir).resolve()
     io_dir, recorder = Path(io_dir).resolve(), Path(recorder).resolve()
     check_not_exposed([tree, model, recorder, io_dir], [Path(p).resolve() for p in private])
-    candidate = spec.labels.get("candidate", spec.name)
-    labels = {f"{LABEL}.{slug(k, 40)}": str(v) for k, v in spec.labels.items()}
-    labels.update({LABEL: "sandbox", f"{LABEL}.run": run, f"{LABEL}.candidate": candidate,
-                   f"{LABEL}.server": spec.name, f"{LABEL}.owner": owner, f"{LABEL}.io": str(io_dir)})
+    labels = {k if k.startswith(f"{LABEL}.") else f"{LABEL}.{slug(k, 40)}": str(v) for k, v in spec.labels.items()}
+    labels.setdefault(f"{LABEL}.candidate", spec.name)
+    labels.update({LABEL: "sandbox", f"{LABEL}.run": run, f"{LABEL}.server": spec.name, f"{LABEL}.owner": owner,
+                   f"{LABEL}.io": str(io_dir)})
     memory = f"{int(memory_gb * 1024)}m"
     kwargs: dict[str, Any] = dict(
         image=image, command=container_command(spec), name=container_name(run, spec.name),

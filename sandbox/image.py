@@ -33,22 +33,23 @@ def installed() -> dict[str, importlib.metadata.Distribution]:
 
 
 def requirement_closure(roots: tuple[str, ...] = ROOTS) -> list[importlib.metadata.Distribution]:
-    """The installed distributions `roots` need at run time (no extras), roots included."""
+    """The installed distributions `roots` need at run time, following requested extras
+    (fastapi[standard] brings uvicorn[standard], uvloop, ...); roots included."""
     dists = installed()
-    todo = [normalize(r) for r in roots if normalize(r) in dists]
+    todo = [(normalize(r), "") for r in roots if normalize(r) in dists]
     if not todo:
         raise SystemExit(f"none of {roots} is installed in {sys.prefix}")
-    seen: set[str] = set()
+    seen: set[tuple[str, str]] = set()
     while todo:
-        name = todo.pop()
-        if name in seen or name not in dists:
+        name, extra = todo.pop()
+        if (name, extra) in seen or name not in dists:
             continue
-        seen.add(name)
+        seen.add((name, extra))
         for line in dists[name].requires or []:
             req = Requirement(line)
-            if req.marker is None or req.marker.evaluate({"extra": ""}):
-                todo.append(normalize(req.name))
-    return [dists[name] for name in sorted(seen)]
+            if req.marker is None or req.marker.evaluate({"extra": extra}):
+                todo += [(normalize(req.name), "")] + [(normalize(req.name), e) for e in req.extras]
+    return [dists[name] for name in sorted({name for name, _ in seen})]
 
 
 def interpreter_files(prefix: Path) -> list[Path]:

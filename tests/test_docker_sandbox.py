@@ -273,3 +273,44 @@ def test_leftovers_of_a_killed_run_are_reaped_on_the_next_start(engine, tmp_path
     finally:
         assert server.stop() == "ok"
     assert_next_candidate_runs(engine, sandbox, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def vllm_tree(tmp_path_factory, vllm_checkout):
+    """A candidate tree as the loop builds one: a worktree with bytecode and linked compiled parts."""
+    import git
+
+    from agent.build import build
+
+    tree = tmp_path_factory.mktemp("docker-vllm") / "baseline"
+    git.Repo(vllm_checkout).git.worktree("add", "--detach", str(tree), "HEAD")
+    build(0, tree, [])
+    return tree
+
+
+@pytest.mark.vllm
+def test_real_vllm_serves_a_greedy_completion_in_the_container(engine, vllm_tree, nightshift_cache, run_dir):
+    from agent.checkpoint import ensure_synthetic
+
+    model = ensure_synthetic(ROOT / "tasks" / "models" / "gemma4-tiny" / "config.json", seed=0, dtype="bfloat16")
+    spec = ServerSpec(name="real-vllm", labels={"candidate": "baseline"}, source_tree=vllm_tree, model_dir=model.path,
+                      engine_args={"dtype": "bfloat16", "max_model_len": 512, "enforce_eager": True},
+                      env={"VLLM_CPU_KVCACHE_SPACE": "1"}, startup_timeout_s=420)
+    sandbox = DockerSandbox(config(memory_gb=8, pids_limit=4096, tmpfs_mb=2048), run_dir)
+    started = time.monotonic()
+    server = sandbox.start(spec)
+    startup_s = time.monotonic() - started
+    try:
+        with server.sync_client(120) as client:
+            reply = client.post("/v1/completions", json={
+                "model": "model", "prompt": [2, 17, 99, 5, 301], "max_tokens": 8, "temperature": 0,
+                "return_token_ids": True}).json()
+        [choice] = reply["choices"]
+        assert len(choice["token_ids"]) == 8 and all(isinstance(t, int) for t in choice["token_ids"]), reply
+        imports = server.imported_files()
+        assert "vllm/entrypoints/openai/api_server.py" in imports or "vllm/entrypoints/cli/serve.py" in imports
+        assert any(f.startswith("vllm/v1/") for f in imports)
+    finally:
+        outcome = server.stop()
+    assert outcome == "ok", server.logs()
+    print(f"real vLLM in the container: healthy after {startup_s:.0f}s, tokens {choice['token_ids']}")

@@ -85,6 +85,14 @@ def test_labels_name_the_run_and_the_candidate(paths):
     assert kwargs["name"] == "nightshift-run-42-cand-7-parity"
 
 
+def test_labels_given_with_the_prefix_are_kept(paths):
+    spec = gpu_spec(paths, labels={"nightshift.run": "run-42", "nightshift.candidate": "candidate-3"})
+    labels = build(paths, spec)["labels"]
+    assert labels["nightshift.candidate"] == "candidate-3" and labels["nightshift.run"] == "run-42"
+    assert not any(k.startswith("nightshift.nightshift") for k in labels)
+    assert build(paths, gpu_spec(paths, labels={}))["labels"]["nightshift.candidate"] == "cand-7-parity"
+
+
 def test_no_secret_reaches_the_environment(paths):
     env = build(paths, gpu_spec(paths))["environment"]
     assert not set(SECRET_ENV) & set(env)
