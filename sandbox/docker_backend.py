@@ -35,6 +35,10 @@ class DockerUnavailable(RuntimeError):
     """No Docker engine answers (not a candidate's fault)."""
 
 
+class GpuNotIdle(RuntimeError):
+    """A GPU still holds memory after the previous candidate (not the next candidate's fault)."""
+
+
 def connect() -> docker.DockerClient:
     try:
         client = docker.from_env(timeout=120)
@@ -130,8 +134,8 @@ class DockerServer:
         self._finish(outcome)
         return outcome
 
-    def kill(self) -> None:
-        self._finish(classify(self.state()))
+    def kill(self, outcome: Outcome | None = None) -> None:
+        self._finish(outcome or classify(self.state()))
 
     def _finish(self, outcome: Outcome) -> None:
         logs, imports = self.logs(limit=1_000_000), self.imported_files()
@@ -155,6 +159,7 @@ class DockerSandbox:
         self.idle_mib: dict[int, int] = {}
         self._client: docker.DockerClient | None = None
         self._reaped = False
+        self.gpu_idle_timeout_s = 60.0
 
     @property
     def client(self) -> docker.DockerClient:
@@ -184,8 +189,7 @@ class DockerSandbox:
         if not self._reaped:
             self.reap()
         gpus = list(spec.gpus or self.config.gpus)
-        for gpu, mib in (gpu_memory_used_mib(gpus) or {}).items():
-            self.idle_mib[gpu] = min(mib, self.idle_mib.get(gpu, mib))
+        self.check_gpus_idle(gpus)
         io_dir = self.io_folder()
         kwargs = self.spec_for(spec, io_dir)
         self._remove_named(kwargs["name"])
@@ -202,6 +206,14 @@ class DockerSandbox:
             raise SandboxError("crash", f"cannot start the container: {exc}", server.logs()) from None
         wait_ready(server, spec.startup_timeout_s)
         return server
+
+    def check_gpus_idle(self, gpus: list[int]) -> None:
+        """The first sight of a GPU sets its idle level; later, wait for it to come back there."""
+        for gpu, mib in (gpu_memory_used_mib(gpus) or {}).items():
+            self.idle_mib.setdefault(gpu, mib)
+        idle, reason = wait_until_idle(gpus, self.idle_mib, timeout_s=self.gpu_idle_timeout_s)
+        if not idle:
+            raise GpuNotIdle(reason)
 
     def _remove_named(self, name: str) -> None:
         try:
@@ -252,5 +264,5 @@ def wait_ready(server: DockerServer, timeout_s: float) -> None:
                 pass
         time.sleep(0.5)
     logs = server.logs()
-    server.kill()
+    server.kill("timeout")
     raise SandboxError("timeout", f"server not healthy after {timeout_s:.0f}s; container killed and removed", logs)

@@ -1,13 +1,15 @@
 """The container specification the Docker backend produces (no engine needed): the GPU path is
 checked here because it cannot run on the CPU machines."""
+import os
 from pathlib import Path
 
 import pytest
 
 from agent.task import Sandbox as SandboxConfig
 from sandbox.base import ServerSpec
-from sandbox.docker_backend import DockerSandbox
+from sandbox.docker_backend import DockerSandbox, GpuNotIdle
 from sandbox.docker_spec import IO, MODEL, RECORDER, SCRATCH, TREE, container_spec
+from sandbox.gpu_idle import gpu_memory_used_mib, wait_until_idle
 
 SECRET_ENV = {"OPENAI_API_KEY": "sk-1", "HF_TOKEN": "hf-1", "VLLM_API_KEY": "v-1", "AWS_SECRET_ACCESS_KEY": "a",
               "GITHUB_AUTH": "g", "DB_PASSWORD": "p"}
@@ -139,3 +141,48 @@ def test_backend_uses_the_task_settings(paths, monkeypatch):
     assert kwargs["labels"]["nightshift.run"] == "run"
     assert "OPENAI_API_KEY" not in kwargs["environment"]
     assert Path(kwargs["volumes"][str(paths["io"].resolve())]["bind"]) == Path(IO)
+
+
+FAKE_NVIDIA_SMI = """#!/bin/sh
+# prints "index, memory.used" for the GPUs listed after -i, reading MiB from $FAKE_GPU_MIB
+for id in $(echo "$4" | tr ',' ' '); do echo "$id, $(cat "$FAKE_GPU_MIB")"; done
+"""
+
+
+@pytest.fixture
+def fake_nvidia_smi(tmp_path, monkeypatch):
+    bin_dir, level = tmp_path / "bin", tmp_path / "mib"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    level.write_text("400")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_GPU_MIB", str(level))
+    return level
+
+
+def test_gpu_idle_check_reads_nvidia_smi(fake_nvidia_smi):
+    assert gpu_memory_used_mib([0, 3]) == {0: 400, 3: 400}
+    assert wait_until_idle([3], {3: 400}, timeout_s=0)[0]
+    fake_nvidia_smi.write_text("30000")
+    idle, reason = wait_until_idle([3], {3: 400}, timeout_s=1)
+    assert not idle and "not back to idle" in reason
+
+
+def test_next_start_refuses_a_gpu_still_holding_memory(fake_nvidia_smi, paths):
+    sandbox = DockerSandbox(SandboxConfig(backend="docker", gpus=[1]), paths["run"])
+    sandbox.gpu_idle_timeout_s = 1
+    sandbox.check_gpus_idle([1])  # first sight: 400 MiB is this GPU's idle level
+    fake_nvidia_smi.write_text("20000")
+    with pytest.raises(GpuNotIdle, match="not back to idle"):
+        sandbox.check_gpus_idle([1])
+    fake_nvidia_smi.write_text("600")  # within the margin
+    sandbox.check_gpus_idle([1])
+
+
+def test_gpu_idle_check_is_a_no_op_without_nvidia_smi(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert gpu_memory_used_mib([0]) is None
+    idle, reason = wait_until_idle([0], {})
+    assert idle and "skipped" in reason
+    assert wait_until_idle([], {}) == (True, "no GPUs requested")
