@@ -200,7 +200,7 @@ class Loop:
 
     def decide(self, n: int, report) -> Decision:
         a = self.task.acceptance
-        verdict = "keep" if report.p_value < 1 - a.confidence else "discard"
+        verdict = "keep" if report.ci_low > a.min_speedup else "discard"
         reason = (f"speedup {report.speedup:.3f}x, {a.confidence:.0%} interval [{report.ci_low:.3f}, "
                   f"{report.ci_high:.3f}], p={report.p_value:.4f} against {a.min_speedup}x")
         return Decision(candidate=n, verdict=verdict, stage="decision", reason=reason if verdict == "keep"

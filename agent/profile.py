@@ -60,7 +60,8 @@ class Profile(BaseModel):
         return list(seen)
 
     def hot_lines(self, file: str) -> list[int]:
-        return sorted({fn.line for fn in [*self.functions, *self.cumulative] if fn.file == file})
+        """The first lines of the file's profiled functions, hottest (by self time) first."""
+        return list(dict.fromkeys(fn.line for fn in [*self.functions, *self.cumulative] if fn.file == file))
 
     def summary(self, max_functions: int = 15, max_ops: int = 10) -> str:
         lines = [f"{self.source}: {self.prompts} prompts, {self.output_tokens} output tokens in "

@@ -17,7 +17,7 @@ from agent.checkpoint import CheckpointInfo, ensure_synthetic, real_checkpoint
 from agent.task import Task
 from agent.workspace import Workspace
 from sandbox import make_sandbox
-from sandbox.base import Server, ServerSpec
+from sandbox.base import Sandbox, Server, ServerSpec
 from traces import TraceWriter
 from traces.schema import RunStarted
 
@@ -48,7 +48,7 @@ def prepare_checkout(task: Task) -> git.Repo:
 
 
 class RunSetup:
-    def __init__(self, task: Task, runs_dir: Path, run_id: str | None = None):
+    def __init__(self, task: Task, runs_dir: Path, run_id: str | None = None, sandbox: Sandbox | None = None):
         self.task = task
         self.run_id = run_id or new_run_id()
         self.run_dir = Path(runs_dir).resolve() / self.run_id
@@ -62,7 +62,7 @@ class RunSetup:
         self.trace = TraceWriter(self.run_dir / "trace.jsonl")
         self.workspace = Workspace(self.repo, self.run_id, self.run_dir / "worktrees")
         self.base_commit = self.workspace.create_branch(version_tag(task.target.vllm_version))
-        self.sandbox = make_sandbox(task.sandbox, self.run_dir)
+        self.sandbox = sandbox or make_sandbox(task.sandbox, self.run_dir)
         self.sandbox.reap()
         self.servers: list[Server] = []
         self.baseline: Path | None = None

@@ -22,7 +22,8 @@ def estimate_speedup(candidate: list[float], incumbent: list[float], min_speedup
                      confidence: float) -> SpeedupEstimate:
     """Geometric-mean speedup of paired repetitions with a t-interval on the log ratios.
 
-    Accepted only if a one-sided t-test rejects "speedup <= min_speedup" at `confidence`."""
+    Accepted only if the whole `confidence` interval lies above min_speedup, i.e. a one-sided
+    t-test rejects "speedup <= min_speedup" at level (1 - confidence) / 2."""
     if len(candidate) != len(incumbent) or len(candidate) < 2:
         raise ValueError("need at least two paired repetitions")
     if min(candidate + incumbent) <= 0:
@@ -37,4 +38,4 @@ def estimate_speedup(candidate: list[float], incumbent: list[float], min_speedup
         sem = float(stats.sem(logs))
         low, high = stats.t.interval(confidence, len(logs) - 1, loc=mean, scale=sem)
     return SpeedupEstimate(speedup=math.exp(mean), ci_low=math.exp(low), ci_high=math.exp(high),
-                           confidence=confidence, p_value=p_value, accepted=p_value < 1 - confidence)
+                           confidence=confidence, p_value=p_value, accepted=math.exp(low) > min_speedup)

@@ -36,6 +36,7 @@ from agent.task import LlmProposer as LlmSpec
 from agent.task import Task
 from traces.schema import LlmCall, Proposal, ProposalInvalid
 
+EXCERPT_LINES = 160
 PROMPTS = Path(__file__).resolve().parent.parent / "prompts"
 STAGES = ["proposal", "surface", "apply", "build", "start", "parity", "liveness", "benchmark", "decision"]
 REPAIRABLE = {"apply", "build", "start", "parity", "liveness"}
@@ -346,6 +347,7 @@ class LlmProposer:
                                  budget * 0.10),
             "file_map": "",
             "files": "",
+            "example_path": ranked[0] if ranked else "vllm/v1/sample/sampler.py",
         }
         system = load_prompt("system").substitute()
         skeleton = load_prompt("propose").substitute(fields)
@@ -365,7 +367,7 @@ class LlmProposer:
             except OSError:
                 continue
             lines = text.splitlines()
-            if estimate_tokens(text) + 30 <= left:
+            if len(lines) <= EXCERPT_LINES and estimate_tokens(text) + 30 <= left:
                 block = f"### FILE {rel}\n```python\n{text.rstrip()}\n```"
             else:
                 window = self._excerpt(rel, lines, left)
@@ -386,16 +388,19 @@ class LlmProposer:
         return "\n\n".join(blocks)
 
     def _excerpt(self, rel: str, lines: list[str], budget_tokens: float) -> tuple[int, int] | None:
-        """A window of lines around the hottest profiled function of the file (or its start)."""
+        """A window of at most EXCERPT_LINES lines around the file's hottest profiled function,
+        or from its first line of code (past the license header)."""
         if budget_tokens < 150 or not lines:
             return None
-        hot = [ln for ln in (self.profile.hot_lines(rel) if self._hot_files() else []) if ln <= len(lines)]
-        center = (hot[0] - 1) if hot else 0
+        hot = [ln for ln in (self.profile.hot_lines(rel) if self._hot_files() else []) if 0 < ln <= len(lines)]
+        if hot:
+            start = max(0, hot[0] - 1 - 8)
+        else:
+            start = next((i for i, line in enumerate(lines) if line.strip() and not line.startswith("#")), 0)
         average = max(1.0, sum(len(x) for x in lines) / len(lines) / 3.5 + 1)
-        span = int(budget_tokens / average) - 4
+        span = min(EXCERPT_LINES, int(budget_tokens / average) - 4)
         if span < 20:
             return None
-        start = max(0, center - span // 5)
         end = min(len(lines), start + span)
         return start, end
 
@@ -437,8 +442,8 @@ def _git_ls_files(checkout: Path) -> list[str]:
 def _file_map(files: list[str], ranked: list[str], checkout: Path) -> str:
     """The surface: the ranked files one a line (with their size), the rest counted per folder."""
     lines: list[str] = []
-    shown = set(ranked[:40])
-    for rel in ranked[:40]:
+    shown = set(ranked[:20])
+    for rel in ranked[:20]:
         try:
             n = sum(1 for _ in open(checkout / rel, "rb"))
         except OSError:
@@ -483,8 +488,8 @@ def _architecture_hint(task: Task) -> str:
     arch = (data.get("architectures") or [""])[0]
     model_type = str(data.get("model_type") or "")
     if model_type:
-        return f"models/{model_type.split('_')[0]}"
-    return f"models/{arch.lower().replace('forcausallm', '')}" if arch else ""
+        return f"models/{model_type.split('_')[0]}.py"
+    return f"models/{arch.lower().replace('forcausallm', '')}.py" if arch else ""
 
 
 __all__ = ["LlmProposer", "Stats"]

@@ -1,0 +1,31 @@
+"""A Sandbox whose servers are tests/fake_vllm.py processes: same protocol, same process handling."""
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from sandbox.base import ServerSpec
+from sandbox.local import LocalServer, free_port, wait_healthy
+
+FAKE = Path(__file__).parent / "fake_vllm.py"
+
+
+class FakeSandbox:
+    def __init__(self, root: Path):
+        self.root = root
+
+    def start(self, spec: ServerSpec) -> LocalServer:
+        home = self.root / spec.name
+        shutil.rmtree(home, ignore_errors=True)
+        home.mkdir(parents=True)
+        port, log, imports = free_port(), home / "server.log", home / "imports.txt"
+        with open(log, "wb") as out:
+            process = subprocess.Popen([sys.executable, str(FAKE), str(spec.source_tree), str(port), str(imports)],
+                                       stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        (home / "tmp").mkdir()
+        server = LocalServer(spec, process, port, home, log, imports)
+        wait_healthy(server, 30)
+        return server
+
+    def reap(self) -> int:
+        return 0

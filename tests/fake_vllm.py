@@ -1,0 +1,76 @@
+"""A stand-in for `vllm serve` in a real process on loopback, for testing the loop's judgement.
+
+Its behaviour comes from the source tree it is started on (the last of vllm/fake_mode*.json), so a queued
+patch can turn it into a faster, cheating or nondeterministic candidate:
+  exact   - tokens are a pure function of the prompt; `delay_s` per generated token
+  short   - like exact, but returns fewer tokens than asked when many requests are in flight
+  random  - tokens differ on every call (not reproducible)
+  crash   - exits at startup
+"""
+import hashlib
+import json
+import random
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+tree, port, import_log = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+mode_files = sorted((tree / "vllm").glob("fake_mode*.json"))
+config = json.loads(mode_files[-1].read_text()) if mode_files else {"mode": "exact", "delay_s": 0.01}
+if config["mode"] == "crash":
+    sys.exit("fake_vllm: crashing at startup as configured")
+import_log.write_text("".join(f"{p.relative_to(tree)}\n" for p in [tree / "vllm" / "__init__.py", *mode_files]))
+in_flight = 0
+lock = threading.Lock()
+
+
+def next_token(prompt: list[int], i: int) -> int:
+    if config["mode"] == "random":
+        return random.randrange(4, 4096)
+    digest = hashlib.sha256(json.dumps([prompt, i]).encode()).digest()
+    return 4 + int.from_bytes(digest[:4], "little") % 4092
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self):
+        global in_flight
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with lock:
+            in_flight += 1
+            crowded = in_flight > 2
+        try:
+            count = body["max_tokens"]
+            if config["mode"] == "short" and crowded:
+                count = max(1, count // 2)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            for i in range(count):
+                time.sleep(config.get("delay_s", 0.002))
+                chunk = {"choices": [{"index": 0, "text": "", "token_ids": [next_token(body["prompt"], i)]}]}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        finally:
+            with lock:
+                in_flight -= 1
+        self.close_connection = True
+
+
+ThreadingHTTPServer.daemon_threads = True
+ThreadingHTTPServer.request_queue_size = 256
+ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()

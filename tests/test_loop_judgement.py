@@ -1,0 +1,99 @@
+"""The loop's judgement, with fake servers in real processes: what it keeps and what it refuses."""
+import json
+from pathlib import Path
+
+import pytest
+
+from agent.audit import audit
+from agent.loop import Loop, SetupNotDeterministic
+from agent.proposers.queue import QueueProposer
+from agent.setup import RunSetup
+from agent.task import load_task, with_overrides
+from tests.fake_sandbox import FakeSandbox
+from traces import read_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def new_file_patch(path: str, text: str, subject: str) -> str:
+    lines = text.splitlines()
+    body = "".join(f"+{line}\n" for line in lines)
+    return (f"Subject: {subject}\n\ndiff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n"
+            f"+++ b/{path}\n@@ -0,0 +1,{len(lines)} @@\n{body}")
+
+
+def mode(name: str, delay_s: float = 0.01) -> str:
+    return json.dumps({"mode": name, "delay_s": delay_s})
+
+
+def fake_task(checkout: Path, patches: Path, **overrides):
+    task = load_task(ROOT / "tasks" / "gemma4-tiny-cpu.yaml")
+    return with_overrides(
+        task, target={"checkout": str(checkout)},
+        proposer={"kind": "queue", "patches": str(patches)},
+        edit_surface={"include": ["vllm/*"], "exclude": ["vllm/entrypoints/*"]},
+        workload={"num_prompts": 8, "input_len": 16, "output_len": 16},
+        parity={"num_prompts": 4, "input_len": 8, "max_tokens": 8, "regime": "sequential"},
+        benchmark={"warmup_requests": 2, "repetitions": 5}, budget={"max_candidates": 10}, **overrides)
+
+
+def run(tmp_path, checkout, patches: dict[str, str], **overrides):
+    folder = tmp_path / "patches"
+    folder.mkdir()
+    for name, text in patches.items():
+        (folder / name).write_text(text)
+    task = fake_task(checkout, folder, **overrides)
+    setup = RunSetup(task, tmp_path / "runs", sandbox=FakeSandbox(tmp_path / "servers"))
+    loop = Loop(setup, QueueProposer(folder))
+    return setup, loop
+
+
+def decisions(setup):
+    return {r.event.candidate: r.event for r in read_trace(setup.run_dir / "trace.jsonl") if r.event.kind == "decision"}
+
+
+def test_each_candidate_is_judged_at_the_right_stage(tmp_path, vllm_checkout):
+    setup, loop = run(tmp_path, vllm_checkout, {
+        "1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster, same tokens"),
+        "2-short.patch": new_file_patch("vllm/fake_mode_2.json", mode("short", 0.0025), "does less work under load"),
+        "3-random.patch": new_file_patch("vllm/fake_mode_3.json", mode("random"), "different tokens"),
+        "4-crash.patch": new_file_patch("vllm/fake_mode_4.json", mode("crash"), "crashes at start"),
+        "5-syntax.patch": new_file_patch("vllm/broken.py", "def broken(:\n", "syntax error"),
+        "6-dead.patch": new_file_patch("vllm/unused_helper.py", "VALUE = 1\n", "never imported"),
+        "7-outside.patch": new_file_patch("vllm/entrypoints/x.py", "X = 1\n", "outside the surface"),
+        "8-garbage.patch": "Subject: does not apply\n\n--- a/vllm/nope.py\n+++ b/vllm/nope.py\n@@ -1 +1 @@\n-a\n+b\n",
+    })
+    finished = loop.run()
+    got = decisions(setup)
+    assert (got[1].verdict, got[1].stage) == ("keep", "decision"), got[1].reason
+    assert got[1].ci_low > 1.05
+    assert (got[2].verdict, got[2].stage) == ("discard", "benchmark")
+    assert "did not return exactly 16 tokens" in got[2].reason
+    assert (got[3].verdict, got[3].stage) == ("discard", "parity") and "diverges at token" in got[3].reason
+    assert (got[4].verdict, got[4].stage) == ("crash", "start")
+    assert (got[5].verdict, got[5].stage) == ("discard", "build") and "does not compile" in got[5].reason
+    assert (got[6].verdict, got[6].stage) == ("discard", "liveness") and "unused_helper.py" in got[6].reason
+    assert (got[7].verdict, got[7].stage) == ("discard", "surface")
+    assert (got[8].verdict, got[8].stage) == ("discard", "apply")
+    assert finished.kept == 1 and finished.candidates == 8
+    assert audit(setup.run_dir).commits == 1
+
+
+def test_a_nondeterministic_setup_refuses_to_start(tmp_path, vllm_checkout):
+    setup, loop = run(tmp_path, vllm_checkout, {"1.patch": new_file_patch("vllm/a.py", "A = 1\n", "x")})
+    (setup.workspace.worktrees).mkdir(parents=True, exist_ok=True)
+    original = setup.baseline_tree
+
+    def random_baseline():
+        tree = original()
+        (tree / "vllm" / "fake_mode.json").write_text(mode("random"))
+        return tree
+
+    setup.baseline_tree = random_baseline
+    with pytest.raises(SetupNotDeterministic, match="not reproducible"):
+        loop.run()
+    records = read_trace(setup.run_dir / "trace.jsonl")
+    assert [r.event.kind for r in records] == ["run_started", "self_parity", "run_finished"]
+    assert not records[1].event.ok
+    assert records[2].event.reason.startswith("error: SetupNotDeterministic")
+    assert setup.servers == []
