@@ -56,8 +56,12 @@ def run(
         fail(str(exc))
     console.print(f"run [bold]{setup.run_id}[/bold] -> {setup.run_dir}  branch {setup.workspace.branch}")
     view = LiveView(task, console, enabled=not quiet)
-    with view:
-        finished = Loop(setup, chosen, on_event=view.update).run()
+    try:
+        with view:
+            finished = Loop(setup, chosen, on_event=view.update).run()
+    except Exception as exc:
+        write_summary(setup.run_dir)
+        fail(f"run stopped: {type(exc).__name__}: {exc}\n(the trace up to here is in {setup.run_dir})", 1)
     summary = write_summary(setup.run_dir)
     console.print(summary)
     console.print(f"finished: {finished.reason}; kept {finished.kept} of {finished.candidates}; "
@@ -81,7 +85,9 @@ def review(run: str = typer.Argument(..., help="run folder or run id"),
 
 @app.command()
 def replay(run: str = typer.Argument(..., help="run folder or run id"),
-           runs_dir: Path = typer.Option(Path("runs"))):
+           runs_dir: Path = typer.Option(Path("runs")),
+           rerun: bool = typer.Option(False, help="after the audit, run the loop again with the same task, "
+                                                  "feeding recorded LLM responses back instead of calling an LLM")):
     """Audit a run: the trace's hash chain is intact and the branch is exactly what it accepted."""
     from agent.audit import audit, resolve_run
     from traces import TraceError
@@ -98,6 +104,28 @@ def replay(run: str = typer.Argument(..., help="run folder or run id"),
                   f"{result.commits} commit(s) on the branch, each matching its keep decision")
     for note in result.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
+    if rerun:
+        rerun_from_trace(run_dir, runs_dir)
+
+
+def rerun_from_trace(run_dir: Path, runs_dir: Path) -> None:
+    """The recorded task, with the LLM replaced by its recorded responses (a model like any other)."""
+    from agent.loop import Loop
+    from agent.models import ReplayModel
+    from agent.proposers import make_proposer
+    from agent.proposers.llm import LlmProposer
+    from agent.setup import RunSetup
+    from agent.task import parse_task
+    from traces import read_trace
+
+    trace = run_dir / "trace.jsonl"
+    task = parse_task(read_trace(trace)[0].event.task, f"{trace} (run_started.task)")
+    proposer = (LlmProposer.from_task(task, model=ReplayModel.from_trace(trace)) if task.proposer.kind == "llm"
+                else make_proposer(task))
+    setup = RunSetup(task, runs_dir)
+    console.print(f"rerun of {run_dir.name} as [bold]{setup.run_id}[/bold]")
+    finished = Loop(setup, proposer).run()
+    console.print(f"rerun finished: {finished.reason}; kept {finished.kept} of {finished.candidates}")
 
 
 @app.command()
