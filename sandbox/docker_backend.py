@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -70,6 +71,25 @@ def owner_alive(owner: str) -> bool:
     if host != socket.gethostname():
         return True
     return pid.isdigit() and Path(f"/proc/{pid}").exists() and _start_time(int(pid)) == start
+
+
+def open_for_reading(root: Path) -> int:
+    """Make `root`'s files readable (and folders traversable) by others, for the container's
+    user; returns how many had to change. Weights and sources are not private; secrets are
+    never mounted in the first place."""
+    changed = 0
+    for path in [root, *root.rglob("*")]:
+        try:
+            mode = path.lstat().st_mode
+        except OSError:
+            continue
+        if stat.S_ISLNK(mode):
+            continue
+        wanted = mode | stat.S_IROTH | (stat.S_IXOTH if stat.S_ISDIR(mode) else 0)
+        if wanted != mode:
+            path.chmod(stat.S_IMODE(wanted))
+            changed += 1
+    return changed
 
 
 def classify(state: dict) -> Outcome:
@@ -190,6 +210,10 @@ class DockerSandbox:
             self.reap()
         gpus = list(spec.gpus or self.config.gpus)
         self.check_gpus_idle(gpus)
+        if os.getuid() == 0:  # the container runs as another user, who must read the tree and the model
+            for root in (Path(spec.source_tree), Path(spec.model_dir)):
+                if changed := open_for_reading(root.resolve()):
+                    log.info("made %d paths under %s readable for the sandbox user", changed, root)
         io_dir = self.io_folder()
         kwargs = self.spec_for(spec, io_dir)
         self._remove_named(kwargs["name"])

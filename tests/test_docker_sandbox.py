@@ -314,3 +314,44 @@ def test_real_vllm_serves_a_greedy_completion_in_the_container(engine, vllm_tree
         outcome = server.stop()
     assert outcome == "ok", server.logs()
     print(f"real vLLM in the container: healthy after {startup_s:.0f}s, tokens {choice['token_ids']}")
+
+    from sandbox.local import LocalSandbox
+
+    local = LocalSandbox(None, run_dir).start(spec.model_copy(update={"name": "real-vllm-local"}))
+    try:
+        with local.sync_client(120) as client:
+            same = client.post("/v1/completions", json={
+                "model": "model", "prompt": [2, 17, 99, 5, 301], "max_tokens": 8, "temperature": 0,
+                "return_token_ids": True}).json()
+    finally:
+        local.stop()
+    assert same["choices"][0]["token_ids"] == choice["token_ids"], "the container changed the greedy output"
+
+
+@pytest.mark.vllm
+def test_cpu_task_runs_end_to_end_in_containers(engine, tmp_path, vllm_checkout, nightshift_cache):
+    """The built-in CPU task with `sandbox.backend: docker`: every server of the run is a container."""
+    from agent.loop import Loop
+    from agent.proposers import make_proposer
+    from agent.setup import RunSetup
+    from agent.task import load_task, with_overrides
+    from sandbox.docker_backend import DockerSandbox as Backend
+    from traces import read_trace
+
+    task = with_overrides(load_task(ROOT / "tasks" / "gemma4-tiny-cpu.yaml"),
+                          target={"checkout": str(vllm_checkout)},
+                          sandbox={"backend": "docker", "image": IMAGE, "memory_gb": 8, "tmpfs_mb": 2048},
+                          proposer={"kind": "flags", "seed": 0, "space": {"max_num_seqs": [32]}},
+                          budget={"max_candidates": 1})
+    setup = RunSetup(task, tmp_path / "runs")
+    assert isinstance(setup.sandbox, Backend)
+    finished = Loop(setup, make_proposer(task)).run()
+    records = [r.event for r in read_trace(setup.run_dir / "trace.jsonl")]
+    kinds = [e.kind for e in records]
+    assert [e.ok for e in records if e.kind == "self_parity"] == [True]
+    [decision] = [e for e in records if e.kind == "decision"]
+    assert decision.stage not in ("start", "parity", "liveness"), decision.reason
+    [bench] = [e for e in records if e.kind == "benchmark"]
+    assert not bench.liveness.missing
+    assert finished.candidates == 1, kinds
+    assert not engine.containers.list(all=True, filters={"label": f"nightshift.run={setup.run_dir.name}"})
