@@ -143,7 +143,9 @@ def run_profile(request: dict[str, Any], timeout_s: float = 900) -> Profile:
     for line in proc.stdout.splitlines():
         if line.startswith(marker):
             return Profile.model_validate_json(line[len(marker):])
-    raise ProfileError(f"the profiling run failed (exit {proc.returncode}): {proc.stderr.strip()[-1500:]}")
+    tail = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+    errors = [line for line in tail if "Error" in line or "error:" in line]
+    raise ProfileError(f"the profiling run failed (exit {proc.returncode}): {(errors or tail or [''])[-1][:400]}")
 
 
 def _rel(filename: str) -> str | None:

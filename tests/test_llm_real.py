@@ -36,7 +36,7 @@ def tiny_cpu_task(base_url: str):
         "target": {"vllm_version": "0.32.0"},
         "model": {"synthetic": {"config": str(ROOT / "tasks/models/gemma4-tiny/config.json")},
                   "dtype": "bfloat16", "max_model_len": 512},
-        "engine": {"args": {"max_num_seqs": 4, "enforce_eager": True}},
+        "engine": {"args": {"max_num_seqs": 4, "enforce_eager": True}, "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
         "workload": {"num_prompts": 32, "input_len": 64, "output_len": 32},
         "parity": {"num_prompts": 8, "input_len": 32, "max_tokens": 16},
         "edit_surface": {"include": ["vllm/model_executor/*", "vllm/v1/worker/*", "vllm/v1/attention/*",
@@ -44,7 +44,7 @@ def tiny_cpu_task(base_url: str):
                          "exclude": ["vllm/entrypoints/*"]},
         "budget": {"max_candidates": PROPOSALS, "wall_clock_s": 3600, "max_llm_tokens": 400_000},
         "proposer": {"kind": "llm", "base_url": base_url, "model": MODEL, "api_key_env": None,
-                     "max_tokens": 1024, "request_timeout_s": 600, "max_retries": 1, "context_tokens": 6000,
+                     "max_tokens": 1024, "request_timeout_s": 600, "max_retries": 1, "context_tokens": int(os.environ.get("NIGHTSHIFT_REAL_LLM_CONTEXT", "3000")),
                      "attempts_per_proposal": 2, "repair_turns": 1,
                      "profile": os.environ.get("NIGHTSHIFT_REAL_LLM_PROFILE", "1") == "1"},
     })
