@@ -492,3 +492,25 @@ def test_openai_model_alone(server, key):
     assert completion.text == "hello there" and completion.finish_reason == "stop"
     assert completion.usage == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
     assert os.environ["NIGHTSHIFT_TEST_KEY"] == SECRET and SECRET not in repr(model.params)
+
+
+def test_the_funnel_counts_answers_parsed_applied_built_parity(server, checkout, key):
+    from agent.proposers.llm import llm_funnel
+
+    server.push({"status": 429}, {"text": "no blocks here"}, {"text": NO_MATCH}, {"text": VALID}, {"text": VALID_2},
+                {"text": VALID_2.replace("logits - penalties", "logits.sub(penalties)")})
+    run = Run(make_task(server.base_url), checkout)
+    first = run.propose()
+    run.decide(first, "build", "does not compile")
+    second = run.propose()  # the repair
+    run.decide(second, "parity", "tokens differ")
+    third = run.propose()
+    run.decide(third, "decision", "speedup 1.10", verdict="keep")
+    funnel = llm_funnel(run.events)
+    assert funnel == {"llm_calls": 6, "failed_calls": 1, "answers": 5, "parsed": 4, "applied": 3, "built": 2,
+                      "parity_passed": 1, "kept": 1, "invalid": {"parse": 1, "match": 1},
+                      "rejected_at": {"build": 1, "parity": 1}, "tokens_in": funnel["tokens_in"],
+                      "tokens_out": funnel["tokens_out"], "spend_usd": funnel["spend_usd"]}
+    stats = run.proposer.stats
+    assert (stats.answers, stats.parsed, stats.applied, stats.built, stats.parity_passed, stats.kept) == (5, 4, 3, 2, 1, 1)
+    assert funnel["spend_usd"] == pytest.approx(run.proposer.spend_usd, abs=1e-6)

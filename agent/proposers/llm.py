@@ -492,4 +492,47 @@ def _architecture_hint(task: Task) -> str:
     return f"models/{arch.lower().replace('forcausallm', '')}.py" if arch else ""
 
 
-__all__ = ["LlmProposer", "Stats"]
+__all__ = ["LlmProposer", "Stats", "llm_funnel"]
+
+
+def llm_funnel(events: list[Any]) -> dict[str, Any]:
+    """From a run's events: how the LLM's answers fared, stage by stage (numbers for the summary).
+
+    answers: LLM calls that returned text; parsed: answers whose blocks parsed; applied: answers
+    that became a checked patch (a proposal); built / parity_passed / kept: those proposals that
+    got through the loop's build, parity and decision stages."""
+    calls = [e for e in events if getattr(e, "kind", "") == "llm_call"]
+    answers = [c for c in calls if c.error is None]
+    invalid: dict[str, int] = {}
+    for e in events:
+        if getattr(e, "kind", "") == "proposal_invalid":
+            code = e.reason.split(":", 1)[0]
+            invalid[code] = invalid.get(code, 0) + 1
+    proposals = {e.candidate for e in events if getattr(e, "kind", "") == "proposal" and e.proposer == "llm"}
+    decisions = [e for e in events if getattr(e, "kind", "") == "decision" and e.candidate in proposals]
+    stage = {name: i for i, name in enumerate(STAGES)}
+
+    def past(d: Any, name: str) -> bool:
+        return d.verdict == "keep" or stage.get(d.stage, 0) > stage[name]
+
+    unparsed = sum(invalid.get(code, 0) for code in ("parse", "empty", "length"))
+    return {
+        "llm_calls": len(calls), "failed_calls": len(calls) - len(answers), "answers": len(answers),
+        "parsed": len(answers) - unparsed, "applied": len(proposals),
+        "built": sum(past(d, "build") for d in decisions),
+        "parity_passed": sum(past(d, "parity") for d in decisions),
+        "kept": sum(d.verdict == "keep" for d in decisions),
+        "invalid": invalid, "rejected_at": {d.stage: sum(x.stage == d.stage for x in decisions if x.verdict != "keep")
+                                            for d in decisions if d.verdict != "keep"},
+        "tokens_in": sum(c.usage.get("prompt_tokens", 0) for c in answers),
+        "tokens_out": sum(c.usage.get("completion_tokens", 0) for c in answers),
+        "spend_usd": round(sum(c.cost_usd for c in calls), 6),
+    }
+
+
+if __name__ == "__main__":  # python -m agent.proposers.llm runs/<id>/trace.jsonl
+    import sys
+
+    from traces.log import read_trace
+
+    print(json.dumps(llm_funnel([r.event for r in read_trace(Path(sys.argv[1]))]), indent=1))
