@@ -59,7 +59,7 @@ def review_tables(run_dir: Path) -> list[Table]:
         applied: PatchApplied = events["patch_applied"]
         parity: ParityReport = events["parity"]
         bench: BenchReport = events["benchmark"]
-        changed = ", ".join(applied.files) or "flags: " + ", ".join(f"{k}={v}" for k, v in proposal.engine_args.items())
+        changed = ", ".join(applied.files) or "serving flags only"
         live = f"; live: {len(bench.liveness.imported_patched)}/{len(bench.liveness.patched_files)} files imported" \
             if bench.liveness and bench.liveness.patched_files else ""
         kept.add_row(record.event.commit[:12], str(record.event.candidate), f"{proposal.summary}\n{changed}",
