@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 from typing import Optional
 
@@ -14,6 +15,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Optimize vLLM serving unattended; keep only changes with identical greedy tokens.")
 console = Console()
 DEFAULT_TASK = Path(__file__).resolve().parent.parent / "tasks" / "gemma4-tiny-cpu.yaml"
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -56,6 +61,7 @@ def run(
         fail(str(exc))
     console.print(f"run [bold]{setup.run_id}[/bold] -> {setup.run_dir}  branch {setup.workspace.branch}")
     view = LiveView(task, console, enabled=not quiet)
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         with view:
             finished = Loop(setup, chosen, on_event=view.update).run()

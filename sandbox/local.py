@@ -77,6 +77,7 @@ class LocalServer:
     def stop(self) -> Outcome:
         outcome: Outcome = "ok" if self.alive() else classify_exit(self.process.returncode, self.logs())
         _kill_group(self.process)
+        (self.home / "pid").unlink(missing_ok=True)
         shutil.rmtree(self.home / "tmp", ignore_errors=True)
         return outcome
 
@@ -116,13 +117,18 @@ class LocalSandbox:
                                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        start_new_session=True)
         (home / "pid").write_text(str(process.pid))
+        (home / "owner").write_text(str(os.getpid()))
         server = LocalServer(spec, process, port, home, log, import_log)
         wait_healthy(server, spec.startup_timeout_s)
         return server
 
     def reap(self) -> int:
+        """Kill the server process groups of runs (in the same runs folder) whose harness is gone."""
         reaped = 0
-        for pid_file in self.root.glob("*/pid") if self.root.exists() else []:
+        for pid_file in self.root.parent.parent.glob("*/servers/*/pid"):
+            owner = pid_file.with_name("owner")
+            if owner.exists() and _alive(int(owner.read_text() or 0)):
+                continue
             try:
                 os.killpg(int(pid_file.read_text()), signal.SIGKILL)
                 reaped += 1
@@ -130,6 +136,18 @@ class LocalSandbox:
                 pass
             pid_file.unlink(missing_ok=True)
         return reaped
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def wait_healthy(server, timeout_s: float) -> None:
