@@ -7,6 +7,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -27,11 +28,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_env(spec: ServerSpec, home: Path, import_log: Path, source_tree: Path) -> dict[str, str]:
+def server_env(spec: ServerSpec, home: Path, import_log: Path, source_tree: Path, tmp: Path | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k in PASSED_ENV or k.startswith(PASSED_PREFIXES)}
     env = clean_env(env)
     env.update({
-        "HOME": str(home), "TMPDIR": str(home / "tmp"), "XDG_CACHE_HOME": str(home / "cache"),
+        "HOME": str(home), "TMPDIR": str(tmp or home), "XDG_CACHE_HOME": str(home / "cache"),
         "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
         "PYTHONPATH": f"{RECORDER}{os.pathsep}{source_tree}",
         "NIGHTSHIFT_IMPORT_LOG": str(import_log), "NIGHTSHIFT_SOURCE_TREE": str(source_tree),
@@ -49,9 +50,10 @@ def classify_exit(returncode: int | None, logs: str) -> Outcome:
 
 class LocalServer:
     def __init__(self, spec: ServerSpec, process: subprocess.Popen, port: int, home: Path, log: Path,
-                 import_log: Path):
+                 import_log: Path, tmp: Path):
         self.name, self.spec, self.process, self.port = spec.name, spec, process, port
         self.home, self.log, self.import_log = home, log, import_log
+        self.tmp = tmp
 
     def client(self, timeout: float) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.port}", timeout=timeout)
@@ -78,7 +80,7 @@ class LocalServer:
         outcome: Outcome = "ok" if self.alive() else classify_exit(self.process.returncode, self.logs())
         _kill_group(self.process)
         (self.home / "pid").unlink(missing_ok=True)
-        shutil.rmtree(self.home / "tmp", ignore_errors=True)
+        shutil.rmtree(self.tmp, ignore_errors=True)
         return outcome
 
 
@@ -106,19 +108,20 @@ class LocalSandbox:
     def start(self, spec: ServerSpec) -> LocalServer:
         home = self.root / spec.name
         shutil.rmtree(home, ignore_errors=True)
-        (home / "tmp").mkdir(parents=True)
+        home.mkdir(parents=True)
+        tmp = Path(tempfile.mkdtemp(prefix="nightshift-"))  # short: vLLM binds Unix sockets in it
         log, import_log = home / "server.log", home / "imports.txt"
         port = free_port()
         source_tree = Path(spec.source_tree).resolve()
         argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", *serve_argv(spec),
                 "--host", "127.0.0.1", "--port", str(port)]
         with open(log, "wb") as out:
-            process = subprocess.Popen(argv, cwd=home / "tmp", env=server_env(spec, home, import_log, source_tree),
+            process = subprocess.Popen(argv, cwd=tmp, env=server_env(spec, home, import_log, source_tree, tmp),
                                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        start_new_session=True)
         (home / "pid").write_text(str(process.pid))
         (home / "owner").write_text(str(os.getpid()))
-        server = LocalServer(spec, process, port, home, log, import_log)
+        server = LocalServer(spec, process, port, home, log, import_log, tmp)
         wait_healthy(server, spec.startup_timeout_s)
         return server
 

@@ -23,7 +23,7 @@ class FakeSandbox:
             process = subprocess.Popen([sys.executable, str(FAKE), str(spec.source_tree), str(port), str(imports)],
                                        stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         (home / "tmp").mkdir()
-        server = LocalServer(spec, process, port, home, log, imports)
+        server = LocalServer(spec, process, port, home, log, imports, home / "tmp")
         wait_healthy(server, 30)
         return server
 
