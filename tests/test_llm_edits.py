@@ -119,3 +119,14 @@ def test_path_helpers():
     assert normalize_path("a/vllm/v1/a.py") == "vllm/v1/a.py" and normalize_path("./vllm/x.py") == "vllm/x.py"
     assert surface_allows("vllm/v1/deep/er/x.py", INCLUDE, EXCLUDE)  # fnmatch: * also matches /
     assert not surface_allows("vllm/v1/secret/x.py", INCLUDE, EXCLUDE)
+
+
+def test_markers_are_lenient_but_the_search_text_is_exact(tree):
+    text = "vllm/v1/a.py\n<<< SEARCH\nimport os\n=======\nimport sys\n>>> REPLACE\n"
+    assert [(e.search, e.replace) for e in parse_edits(text)] == [("import os\n", "import sys\n")]
+    text = "vllm/v1/a.py\nSEARCH\nimport os\n=======\nimport sys\nREPLACE\n"
+    assert make_patch(text, tree, INCLUDE, EXCLUDE).files == ["vllm/v1/a.py"]
+    with pytest.raises(EditError, match="match:"):
+        make_patch("vllm/v1/a.py\nSEARCH\nimport  os\n=======\nimport sys\nREPLACE\n", tree, INCLUDE, EXCLUDE)
+    with pytest.raises(EditError, match="parse: no SEARCH/REPLACE block"):
+        parse_edits("SEARCH/REPLACE\nimport os\n")

@@ -25,9 +25,11 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-SEARCH = re.compile(r"^\s*<{5,9} ?SEARCH\b.*$")
+# Markers are matched leniently (small models drop some of the angle brackets, or all of
+# them); the SEARCH text itself is matched exactly.
+SEARCH = re.compile(r"^\s*(?:<{3,9}\s*SEARCH\b.*|SEARCH:?)\s*$")
 DIVIDER = re.compile(r"^\s*={5,9}\s*$")
-REPLACE = re.compile(r"^\s*>{5,9} ?REPLACE\b.*$")
+REPLACE = re.compile(r"^\s*(?:>{3,9}\s*REPLACE\b.*|REPLACE:?)\s*$")
 FENCE = re.compile(r"^\s*(```|~~~)")
 SUMMARY = re.compile(r"^\s*(?:\*\*)?SUMMARY(?:\*\*)?\s*:\s*(.+)$", re.I | re.M)
 

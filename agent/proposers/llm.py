@@ -37,6 +37,7 @@ from agent.task import Task
 from traces.schema import LlmCall, Proposal, ProposalInvalid
 
 EXCERPT_LINES = 160
+RETRY_TEMPERATURE = 0.7
 PROMPTS = Path(__file__).resolve().parent.parent / "prompts"
 STAGES = ["proposal", "surface", "apply", "build", "start", "parity", "liveness", "benchmark", "decision"]
 REPAIRABLE = {"apply", "build", "start", "parity", "liveness"}
@@ -132,9 +133,10 @@ class LlmProposer:
                     f"${worst:.4f} of max_usd ${budget.max_usd:.4f}")
 
     # ------------------------------------------------------------------------------- calling
-    def _call(self, ctx: ProposalContext, messages: Messages) -> Completion:
+    def _call(self, ctx: ProposalContext, messages: Messages, temperature: float | None = None) -> Completion:
         self._check_budget(messages)
-        params = {"temperature": self.spec.temperature, "max_tokens": self.spec.max_tokens, **self.model.params}
+        temperature = self.spec.temperature if temperature is None else temperature
+        params = {"temperature": temperature, "max_tokens": self.spec.max_tokens, **self.model.params}
         recorded = self.redactor.obj(messages)
 
         def failed(error: LlmError, latency: float) -> None:
@@ -148,7 +150,7 @@ class LlmProposer:
         if self._sleep is not None:
             kwargs["sleep"] = self._sleep
         completion = complete_with_retries(
-            self.model, messages, temperature=self.spec.temperature, max_tokens=self.spec.max_tokens,
+            self.model, messages, temperature=temperature, max_tokens=self.spec.max_tokens,
             max_retries=self.spec.max_retries, backoff_s=self.spec.retry_backoff_s,
             deadline_s=self.spec.request_timeout_s * (self.spec.max_retries + 1), on_failure=failed, **kwargs)
         completion.text = self.redactor.text(completion.text) or ""  # before anything is derived from it
@@ -177,13 +179,15 @@ class LlmProposer:
             convo = Conversation(messages=messages, repairs=convo.repairs, files=convo.files)
             repair_of: int | None = attempt.proposal.candidate
         else:
-            convo = Conversation(messages=self._fresh_messages(ctx))
             self.fresh += 1
+            convo = Conversation(messages=self._fresh_messages(ctx))
             repair_of = None
         last_reason = ""
         for answer_no in range(1, self.spec.attempts_per_proposal + 1):
+            # after an unusable answer, the same request at temperature 0 would get the same answer
+            temperature = self.spec.temperature if answer_no == 1 else max(self.spec.temperature, RETRY_TEMPERATURE)
             try:
-                completion = self._call(ctx, convo.messages)
+                completion = self._call(ctx, convo.messages, temperature)
             except LlmFatalError:
                 raise
             except LlmError as exc:
