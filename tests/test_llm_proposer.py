@@ -514,3 +514,13 @@ def test_the_funnel_counts_answers_parsed_applied_built_parity(server, checkout,
     stats = run.proposer.stats
     assert (stats.answers, stats.parsed, stats.applied, stats.built, stats.parity_passed, stats.kept) == (5, 4, 3, 2, 1, 1)
     assert funnel["spend_usd"] == pytest.approx(run.proposer.spend_usd, abs=1e-6)
+
+
+def test_one_follow_up_then_a_fresh_conversation_warmer(server, checkout, key):
+    server.push({"text": "no blocks"}, {"text": "still none"}, {"text": VALID})
+    run = Run(make_task(server.base_url), checkout)
+    run.propose()
+    sizes = [len(r["body"]["messages"]) for r in server.requests]
+    temps = [r["body"]["temperature"] for r in server.requests]
+    assert sizes == [2, 4, 2]  # answer, one follow-up, then afresh (models repeat themselves)
+    assert temps == [0.0, 0.7, 0.7]

@@ -38,6 +38,8 @@ from traces.schema import LlmCall, Proposal, ProposalInvalid
 
 EXCERPT_LINES = 160
 RETRY_TEMPERATURE = 0.7
+FOLLOW_UPS = 1
+"""Follow-up turns after unusable answers in one conversation before a fresh one."""
 PROMPTS = Path(__file__).resolve().parent.parent / "prompts"
 STAGES = ["proposal", "surface", "apply", "build", "start", "parity", "liveness", "benchmark", "decision"]
 REPAIRABLE = {"apply", "build", "start", "parity", "liveness"}
@@ -58,6 +60,7 @@ class Conversation:
     answer: str = ""
     repairs: int = 0
     files: list[str] = field(default_factory=list)
+    follow_ups: int = 0
 
 
 @dataclass
@@ -212,8 +215,14 @@ class LlmProposer:
             self._invalid(ctx, reason, code)
             if code in ("request",):
                 continue
-            convo.messages = [*convo.messages, {"role": "assistant", "content": text or "(empty)"},
-                              {"role": "user", "content": load_prompt("invalid").substitute(reason=reason)}]
+            if convo.follow_ups < FOLLOW_UPS and code != "length":
+                convo.follow_ups += 1
+                convo.messages = [*convo.messages, {"role": "assistant", "content": text or "(empty)"},
+                                  {"role": "user", "content": load_prompt("invalid").substitute(reason=reason)}]
+            else:  # models tend to repeat themselves within a conversation: start afresh, next focus
+                self.fresh += 1
+                convo = Conversation(messages=self._fresh_messages(ctx))
+                repair_of = None
         raise ProposerExhausted(f"{self.spec.attempts_per_proposal} LLM answers in a row were unusable; "
                                 f"the last: {last_reason}")
 
