@@ -3,7 +3,8 @@
 The candidate tree links vLLM's compiled parts by their absolute paths in this Python's
 site-packages (see agent.build), so the image carries this Python at the same prefix: the
 interpreter, its standard library, and the installed files of vLLM and of every distribution it
-requires (its requirement closure, read from the installed metadata; nothing is downloaded).
+requires (its requirement closure, read from the installed metadata; nothing is downloaded). In a
+virtual environment, the base interpreter's prefix comes along too.
 
     python -m sandbox.image files     # one absolute path a line, for `tar -T -`
     python -m sandbox.image prefix    # this Python's prefix
@@ -11,6 +12,7 @@ requires (its requirement closure, read from the installed metadata; nothing is 
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import re
 import sys
 from pathlib import Path
@@ -74,16 +76,19 @@ def distribution_files(dists: list[importlib.metadata.Distribution]) -> list[Pat
     return files
 
 
-def image_files(prefix: Path = Path(sys.prefix)) -> list[Path]:
-    prefix = prefix.resolve()
-    inside = [p for p in interpreter_files(prefix) + distribution_files(requirement_closure())
-              if p.is_relative_to(prefix)]
-    return sorted(set(inside))
+def image_files(prefix: Path = Path(sys.prefix), base: Path = Path(sys.base_prefix)) -> list[Path]:
+    """This Python's files for the image; in a virtual environment, the base interpreter's too."""
+    prefix, base = Path(os.path.abspath(prefix)), base.resolve()
+    files = interpreter_files(base)
+    if prefix != base:
+        files += [prefix / "pyvenv.cfg", *(p for p in (prefix / "bin").iterdir() if p.name.startswith("python"))]
+    files += distribution_files(requirement_closure())
+    return sorted({p for p in files if p.is_relative_to(prefix) or p.is_relative_to(base)})
 
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["prefix"]:
-        print(Path(sys.prefix).resolve())
+        print(os.path.abspath(sys.prefix))
         return 0
     if argv[:1] == ["files"]:
         sys.stdout.write("".join(f"{p}\n" for p in image_files()))
