@@ -186,3 +186,20 @@ def test_gpu_idle_check_is_a_no_op_without_nvidia_smi(monkeypatch, tmp_path):
     idle, reason = wait_until_idle([0], {})
     assert idle and "skipped" in reason
     assert wait_until_idle([], {}) == (True, "no GPUs requested")
+
+
+def test_reaping_tells_a_dead_harness_from_a_live_one():
+    import subprocess
+    import sys
+
+    from sandbox.docker_backend import owner_alive, process_identity
+
+    assert owner_alive(process_identity(os.getpid()))
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    identity = process_identity(child.pid)
+    child.wait()
+    assert not owner_alive(identity)
+    host, pid, start = process_identity(os.getpid()).rsplit(":", 2)
+    assert not owner_alive(f"{host}:{pid}:{int(start) + 1}")  # the pid was reused by another process
+    assert owner_alive(f"another-host:{pid}:{start}")  # cannot tell: keep it
+    assert not owner_alive("garbage")
