@@ -342,7 +342,9 @@ def test_cpu_task_runs_end_to_end_in_containers(engine, tmp_path, vllm_checkout,
                           target={"checkout": str(vllm_checkout)},
                           sandbox={"backend": "docker", "image": IMAGE, "memory_gb": 8, "tmpfs_mb": 2048},
                           proposer={"kind": "flags", "seed": 0, "space": {"max_num_seqs": [32]}},
-                          budget={"max_candidates": 1})
+                          budget={"max_candidates": 1},  # and a small workload: this checks plumbing, not speed
+                          workload={"num_prompts": 8, "input_len": 32, "output_len": 16},
+                          parity={"num_prompts": 4}, benchmark={"repetitions": 2, "warmup_requests": 1})
     setup = RunSetup(task, tmp_path / "runs")
     assert isinstance(setup.sandbox, Backend)
     finished = Loop(setup, make_proposer(task)).run()
