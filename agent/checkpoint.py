@@ -20,12 +20,23 @@ SHARED_KV_SHARD = "model-shared-kv.safetensors"
 SPECIAL_TOKENS = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>"}
 
 
+class Margins(BaseModel):
+    """Top-1 minus top-2 log-probability (nats), teacher-forced over random prompts."""
+
+    median: float
+    p10: float
+    p90: float
+    below_0_1: float
+    positions: int
+
+
 class CheckpointInfo(BaseModel):
     path: Path
     sha256: str
     params: int = 0
     seed: int | None = None
-    logit_scale: float | None = None
+    knobs: dict[str, float] = {}
+    margins: Margins | None = None
     seconds: float = 0.0
 
 
@@ -50,12 +61,15 @@ def real_checkpoint(folder: Path) -> CheckpointInfo:
     return CheckpointInfo(path=folder, sha256=weights_sha256(folder))
 
 
-def ensure_synthetic(config_path: Path, seed: int, logit_scale: float = 1.0,
-                     dtype: str = "bfloat16", cache: Path | None = None) -> CheckpointInfo:
-    """Write the checkpoint once per (config, seed, scale); later calls return the cached one."""
+def ensure_synthetic(config_path: Path, seed: int, logit_scale: float = 1.0, dtype: str = "bfloat16",
+                     cache: Path | None = None, final_norm_scale: float = 1.0,
+                     post_norm_scale: float = 1.0) -> CheckpointInfo:
+    """Write the checkpoint once per (config, seed, knobs); later calls return the cached one."""
     config = json.loads(Path(config_path).read_text())
+    knobs = {"logit_scale": logit_scale, "final_norm_scale": final_norm_scale, "post_norm_scale": post_norm_scale}
     key = hashlib.sha256(json.dumps(
-        {"config": config, "seed": seed, "logit_scale": logit_scale, "dtype": dtype, "recipe": RECIPE},
+        {"config": config, "seed": seed, "dtype": dtype, "recipe": RECIPE,
+         **{k: v for k, v in knobs.items() if v != 1.0 or k == "logit_scale"}},
         sort_keys=True).encode()).hexdigest()[:16]
     folder = (cache or cache_root() / "models") / f"synthetic-{key}"
     manifest = folder / MANIFEST
@@ -64,16 +78,23 @@ def ensure_synthetic(config_path: Path, seed: int, logit_scale: float = 1.0,
     staging = folder.with_name(folder.name + f".tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     started = time.time()
-    params = write_synthetic(config, staging, seed, logit_scale, dtype)
-    info = CheckpointInfo(path=folder, sha256=weights_sha256(staging), params=params, seed=seed,
-                          logit_scale=logit_scale, seconds=round(time.time() - started, 2))
+    params, margins = write_synthetic(config, staging, seed, knobs, dtype)
+    info = CheckpointInfo(path=folder, sha256=weights_sha256(staging), params=params, seed=seed, knobs=knobs,
+                          margins=margins, seconds=round(time.time() - started, 2))
     (staging / MANIFEST).write_text(info.model_dump_json(indent=2))
     shutil.rmtree(folder, ignore_errors=True)
     staging.rename(folder)
     return info
 
 
-def write_synthetic(config: dict, out: Path, seed: int, logit_scale: float, dtype: str) -> int:
+POST_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm", "post_per_layer_input_norm")
+
+
+def write_synthetic(config: dict, out: Path, seed: int, knobs: dict[str, float], dtype: str):
+    """HF initialisation under the seed, then the knobs: `logit_scale` multiplies the tied
+    embedding, `final_norm_scale` the final RMSNorm weight (all pre-softcap logits), and
+    `post_norm_scale` every sub-layer post-norm weight (sub-layers outweigh the input token, which
+    keeps free-running greedy output from repeating one token when margins are raised)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -83,13 +104,32 @@ def write_synthetic(config: dict, out: Path, seed: int, logit_scale: float, dtyp
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, dtype))
     with torch.no_grad():
-        model.get_input_embeddings().weight.mul_(logit_scale)
+        model.get_input_embeddings().weight.mul_(knobs["logit_scale"])
+        model.get_decoder().norm.weight.mul_(knobs["final_norm_scale"])
+        for name, module in model.named_modules():
+            if name.rsplit(".", 1)[-1] in POST_NORMS and getattr(module, "weight", None) is not None:
+                module.weight.mul_(knobs["post_norm_scale"])
+    margins = measure_margins(model, config["vocab_size"], seed)
     params = sum(p.numel() for p in model.parameters())
     model.save_pretrained(out)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     add_shared_kv_tensors(out)
     write_synthetic_tokenizer(out, config["vocab_size"])
-    return params
+    return params, margins
+
+
+def measure_margins(model, vocab_size: int, seed: int, prompts: int = 4, length: int = 64) -> Margins:
+    import torch
+
+    generator = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(4, vocab_size, (prompts, length), generator=generator)
+    with torch.no_grad():
+        logits = model(input_ids=ids.to(model.device)).logits.float()
+    top = torch.log_softmax(logits, dim=-1).topk(2, dim=-1).values
+    margins = (top[..., 0] - top[..., 1]).flatten().cpu()
+    q = torch.quantile(margins, torch.tensor([0.1, 0.5, 0.9]))
+    return Margins(median=round(float(q[1]), 4), p10=round(float(q[0]), 4), p90=round(float(q[2]), 4),
+                   below_0_1=round(float((margins < 0.1).float().mean()), 4), positions=margins.numel())
 
 
 def add_shared_kv_tensors(folder: Path) -> int:

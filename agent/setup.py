@@ -34,7 +34,8 @@ def prepare_model(task: Task) -> CheckpointInfo:
     if task.model.path:
         return real_checkpoint(task.model.path)
     synthetic = task.model.synthetic
-    return ensure_synthetic(synthetic.config, synthetic.seed, synthetic.logit_scale, task.model.dtype)
+    return ensure_synthetic(synthetic.config, synthetic.seed, synthetic.logit_scale, task.model.dtype,
+                            final_norm_scale=synthetic.final_norm_scale, post_norm_scale=synthetic.post_norm_scale)
 
 
 def prepare_checkout(task: Task) -> git.Repo:
@@ -75,6 +76,7 @@ class RunSetup:
                           python_version=sys.version.split()[0], platform=platform.platform(),
                           checkout=str(self.repo.working_dir), base_commit=self.base_commit,
                           branch=self.workspace.branch, model_sha256=self.model.sha256,
+                          model_margins=self.model.margins.model_dump() if self.model.margins else None,
                           task=self.task.model_dump(mode="json"))
 
     def baseline_tree(self) -> Path:

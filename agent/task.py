@@ -24,7 +24,11 @@ class SyntheticModel(Strict):
     config: Path
     seed: int = 0
     logit_scale: float = Field(1.0, gt=0)
-    """Multiplies the tied embedding so that top-1/top-2 logit margins are realistic."""
+    """Multiplies the tied embedding (see agent/checkpoint.py for all three knobs)."""
+    final_norm_scale: float = Field(1.0, gt=0)
+    """Multiplies the final norm weight: scales every logit, widening top-1/top-2 margins."""
+    post_norm_scale: float = Field(1.0, gt=0)
+    """Multiplies the sub-layer post-norm weights."""
 
 
 class ModelSpec(Strict):

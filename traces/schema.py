@@ -36,6 +36,7 @@ class RunStarted(Event):
     base_commit: str
     branch: str
     model_sha256: str
+    model_margins: dict[str, float] | None = None
     task: dict[str, Any]
 
 
