@@ -289,6 +289,7 @@ def vllm_tree(tmp_path_factory, vllm_checkout):
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(1800)
 def test_real_vllm_serves_a_greedy_completion_in_the_container(engine, vllm_tree, nightshift_cache, run_dir):
     from agent.checkpoint import ensure_synthetic
 
@@ -329,6 +330,7 @@ def test_real_vllm_serves_a_greedy_completion_in_the_container(engine, vllm_tree
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(1800)
 def test_cpu_task_runs_end_to_end_in_containers(engine, tmp_path, vllm_checkout, nightshift_cache):
     """The built-in CPU task with `sandbox.backend: docker`: every server of the run is a container."""
     from agent.loop import Loop
