@@ -45,7 +45,7 @@ def engine():
     try:
         client = connect()
     except DockerUnavailable as exc:
-        pytest.skip(f"no Docker engine reachable ({exc}); run scripts/docker-engine.sh")
+        pytest.skip(str(exc))
     if not client.images.list(name=IMAGE):
         pytest.fail(f"the sandbox image {IMAGE} is missing: build it with scripts/docker-image.sh")
     return client
