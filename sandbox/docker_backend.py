@@ -20,8 +20,7 @@ import httpx
 from docker.errors import DockerException, NotFound
 
 from sandbox.base import Outcome, SandboxError, ServerSpec
-from sandbox.docker_spec import (IMPORT_LOG_NAME, LABEL, SANDBOX_UID, SOCKET_NAME, container_name,
-                                 container_spec, slug)
+from sandbox.docker_spec import IMPORT_LOG_NAME, LABEL, SANDBOX_UID, SOCKET_NAME, container_spec, slug
 from sandbox.gpu_idle import gpu_memory_used_mib, wait_until_idle
 
 log = logging.getLogger(__name__)
