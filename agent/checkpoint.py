@@ -82,6 +82,8 @@ def ensure_synthetic(config_path: Path, seed: int, logit_scale: float = 1.0, dty
     info = CheckpointInfo(path=folder, sha256=weights_sha256(staging), params=params, seed=seed, knobs=knobs,
                           margins=margins, seconds=round(time.time() - started, 2))
     (staging / MANIFEST).write_text(info.model_dump_json(indent=2))
+    for file in staging.iterdir():
+        file.chmod(0o644)  # sandboxed servers run as another user and only read
     shutil.rmtree(folder, ignore_errors=True)
     staging.rename(folder)
     return info
