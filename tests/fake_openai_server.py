@@ -19,6 +19,7 @@ import argparse
 import json
 import threading
 import time
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -188,8 +189,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="A scripted OpenAI-compatible server on loopback.")
     ap.add_argument("--port", type=int, default=8999)
     ap.add_argument("--text", default="SUMMARY: nothing\n")
+    ap.add_argument("--script", type=Path, help="a JSON list of steps, served in order, then --text")
     args = ap.parse_args()
-    server = FakeOpenAI(default={"text": args.text}, port=args.port)
+    script = json.loads(args.script.read_text()) if args.script else []
+    server = FakeOpenAI(script=script, default={"text": args.text}, port=args.port)
     print(f"serving {server.base_url}", flush=True)
     server.server.serve_forever()
 
