@@ -497,9 +497,10 @@ def test_openai_model_alone(server, key):
 def test_the_funnel_counts_answers_parsed_applied_built_parity(server, checkout, key):
     from agent.proposers.llm import llm_funnel
 
-    server.push({"status": 429}, {"text": "no blocks here"}, {"text": NO_MATCH}, {"text": VALID}, {"text": VALID_2},
+    server.push({"status": 429}, {"text": "no blocks here"}, {"text": VALID[:60], "finish_reason": "length"},
+                {"text": NO_MATCH}, {"text": VALID}, {"text": VALID_2},
                 {"text": VALID_2.replace("logits - penalties", "logits.sub(penalties)")})
-    run = Run(make_task(server.base_url), checkout)
+    run = Run(make_task(server.base_url, attempts_per_proposal=4), checkout)
     first = run.propose()
     run.decide(first, "build", "does not compile")
     second = run.propose()  # the repair
@@ -507,12 +508,12 @@ def test_the_funnel_counts_answers_parsed_applied_built_parity(server, checkout,
     third = run.propose()
     run.decide(third, "decision", "speedup 1.10", verdict="keep")
     funnel = llm_funnel(run.events)
-    assert funnel == {"llm_calls": 6, "failed_calls": 1, "answers": 5, "parsed": 4, "applied": 3, "built": 2,
-                      "parity_passed": 1, "kept": 1, "invalid": {"parse": 1, "match": 1},
+    assert funnel == {"llm_calls": 7, "failed_calls": 1, "answers": 6, "parsed": 4, "applied": 3, "built": 2,
+                      "parity_passed": 1, "kept": 1, "invalid": {"parse": 1, "truncated": 1, "match": 1},
                       "rejected_at": {"build": 1, "parity": 1}, "tokens_in": funnel["tokens_in"],
                       "tokens_out": funnel["tokens_out"], "spend_usd": funnel["spend_usd"]}
     stats = run.proposer.stats
-    assert (stats.answers, stats.parsed, stats.applied, stats.built, stats.parity_passed, stats.kept) == (5, 4, 3, 2, 1, 1)
+    assert (stats.answers, stats.parsed, stats.applied, stats.built, stats.parity_passed, stats.kept) == (6, 4, 3, 2, 1, 1)
     assert funnel["spend_usd"] == pytest.approx(run.proposer.spend_usd, abs=1e-6)
 
 

@@ -528,7 +528,7 @@ def llm_funnel(events: list[Any]) -> dict[str, Any]:
     def past(d: Any, name: str) -> bool:
         return d.verdict == "keep" or stage.get(d.stage, 0) > stage[name]
 
-    unparsed = sum(invalid.get(code, 0) for code in ("parse", "empty", "length"))
+    unparsed = sum(invalid.get(code, 0) for code in ("parse", "empty", "truncated"))
     return {
         "llm_calls": len(calls), "failed_calls": len(calls) - len(answers), "answers": len(answers),
         "parsed": len(answers) - unparsed, "applied": len(proposals),
