@@ -71,7 +71,10 @@ def run(
     summary = write_summary(setup.run_dir)
     console.print(summary)
     console.print(f"finished: {finished.reason}; kept {finished.kept} of {finished.candidates}; "
-                  f"cumulative speedup {finished.best_speedup:.3f}x; {finished.seconds:.0f}s")
+                  f"cumulative speedup {finished.best_speedup:.3f}x; {finished.seconds:.0f}s"
+                  + (f"; LLM spend ${finished.spend_usd:.4f}" if finished.spend_usd else ""))
+    if finished.reason.startswith("proposer failed"):
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -65,7 +65,8 @@ class Loop:
                 try:
                     self.step(len(self.history) + 1)
                 except ProposerExhausted as exc:
-                    reason = f"proposer exhausted: {exc}"
+                    fatal = getattr(exc, "kind", "") == "fatal"
+                    reason = f"{'proposer failed' if fatal else 'proposer exhausted'}: {exc}"
                     break
         except BaseException as exc:
             reason = f"error: {type(exc).__name__}: {exc}"

@@ -38,6 +38,10 @@ def write_summary(run_dir: Path) -> str:
             measurements += [{"candidate": n, **s.model_dump()} for s in bench.samples]
     summary = {"run_id": records[0].event.run_id, "finished": finished.model_dump() if finished else None,
                "candidates": rows}
+    if any(r.event.kind == "llm_call" for r in records):
+        from agent.proposers.llm import llm_funnel
+
+        summary["llm"] = llm_funnel([r.event for r in records])
     (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
     (Path(run_dir) / "measurements.json").write_text(json.dumps(measurements, indent=2))
     lines = [f"{r['candidate']:>3} {r['verdict']:<8} {r['stage']:<10} {r['summary'][:50]:<50} {r['reason'][:80]}"
