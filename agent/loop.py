@@ -20,7 +20,7 @@ from agent.requests import RequestError, draw_prompts
 from agent.setup import RunSetup
 from agent.surface import engine_args_violation, surface_violation
 from agent.workspace import ApplyError
-from sandbox.base import SandboxError, Server, ServerSpec
+from sandbox.base import SandboxError, Server
 from traces.schema import AnyEvent, Commit, Decision, PatchApplied, Proposal, RunFinished, SelfParity, Stage
 
 

@@ -66,6 +66,15 @@ class Sandbox(Protocol):
         """Remove what a dead run left behind; returns how many leftovers were removed."""
 
 
+def answers_health(server: "Server") -> bool:
+    """True once the server's /health answers 200."""
+    try:
+        with server.sync_client(5) as client:
+            return client.get("/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def clean_env(env: dict[str, str]) -> dict[str, str]:
     """The environment minus anything that looks like a secret."""
     return {k: v for k, v in env.items() if not any(m in k.upper() for m in SECRET_MARKERS)}

@@ -19,7 +19,7 @@ import docker
 import httpx
 from docker.errors import DockerException, NotFound
 
-from sandbox.base import Outcome, SandboxError, ServerSpec
+from sandbox.base import Outcome, SandboxError, ServerSpec, answers_health
 from sandbox.docker_spec import IMPORT_LOG_NAME, LABEL, SANDBOX_UID, SOCKET_NAME, container_spec, slug
 from sandbox.gpu_idle import gpu_memory_used_mib, wait_until_idle
 
@@ -278,13 +278,8 @@ def wait_ready(server: DockerServer, timeout_s: float) -> None:
             logs = server.logs()
             server.kill()
             raise SandboxError(outcome, f"server exited during startup (exit code {state.get('ExitCode')})", logs)
-        if server.socket.exists():
-            try:
-                with server.sync_client(5) as client:
-                    if client.get("/health").status_code == 200:
-                        return
-            except httpx.HTTPError:
-                pass
+        if server.socket.exists() and answers_health(server):
+            return
         time.sleep(0.5)
     logs = server.logs()
     server.kill("timeout")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from sandbox.base import Outcome, SandboxError, ServerSpec, clean_env, serve_argv
+from sandbox.base import Outcome, SandboxError, ServerSpec, answers_health, clean_env, serve_argv
 
 RECORDER = Path(__file__).parent / "recorder"
 PASSED_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "LD_LIBRARY_PATH",
@@ -160,12 +160,8 @@ def wait_healthy(server, timeout_s: float) -> None:
             logs = server.logs()
             outcome = server.stop()
             raise SandboxError(outcome if outcome != "ok" else "crash", "server exited during startup", logs)
-        try:
-            with server.sync_client(5) as client:
-                if client.get("/health").status_code == 200:
-                    return
-        except httpx.HTTPError:
-            pass
+        if answers_health(server):
+            return
         time.sleep(1)
     logs = server.logs()
     server.stop()
