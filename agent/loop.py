@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import httpx
+
 from agent import bench, liveness
 from agent.build import BuildError, build
 from agent.parity import check_parity
@@ -22,6 +24,10 @@ from agent.surface import engine_args_violation, surface_violation
 from agent.workspace import ApplyError
 from sandbox.base import SandboxError, Server
 from traces.schema import AnyEvent, Commit, Decision, PatchApplied, Proposal, RunFinished, SelfParity, Stage
+
+
+ANSWER_ERRORS = (RequestError, OSError, httpx.HTTPError)
+"""How a candidate server can fail to answer: error status, dead process, timeout."""
 
 
 class Rejected(Exception):
@@ -160,7 +166,7 @@ class Loop:
                                        worktree, args, parity=self.dedicated_parity)
         try:
             report = self.parity(n, subject)
-        except (RequestError, OSError) as exc:
+        except ANSWER_ERRORS as exc:
             self.s.stop(subject)
             raise Rejected("parity", f"candidate failed to answer: {exc}", "crash") from None
         self.emit(report)
@@ -183,7 +189,7 @@ class Loop:
         except bench.WorkMismatch as exc:
             self.s.stop(server)
             raise Rejected("benchmark", str(exc)) from None
-        except (RequestError, OSError) as exc:
+        except ANSWER_ERRORS as exc:
             self.s.stop(server)
             raise Rejected("benchmark", f"request failed: {exc}", "crash") from None
         proof = liveness.check(server, worktree, files)

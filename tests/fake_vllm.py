@@ -6,6 +6,7 @@ patch can turn it into a faster, cheating or nondeterministic candidate:
   short   - like exact, but returns fewer tokens than asked when many requests are in flight
   random  - tokens differ on every call (not reproducible)
   crash   - exits at startup
+  hang    - starts, then never answers a completion
 """
 import hashlib
 import json
@@ -47,6 +48,8 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         global in_flight
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if config["mode"] == "hang":
+            time.sleep(3600)
         with lock:
             in_flight += 1
             crowded = in_flight > 2

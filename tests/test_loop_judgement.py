@@ -34,7 +34,8 @@ def fake_task(checkout: Path, patches: Path, **overrides):
         edit_surface={"include": ["vllm/*"], "exclude": ["vllm/entrypoints/*"]},
         workload={"num_prompts": 8, "input_len": 16, "output_len": 16},
         parity={"num_prompts": 4, "input_len": 8, "max_tokens": 8, "regime": "sequential"},
-        benchmark={"warmup_requests": 2, "repetitions": 5}, budget={"max_candidates": 10}, **overrides)
+        benchmark={"warmup_requests": 2, "repetitions": 5, "request_timeout_s": 10},
+        budget={"max_candidates": 10}, **overrides)
 
 
 def run(tmp_path, checkout, patches: dict[str, str], **overrides):
@@ -62,6 +63,7 @@ def test_each_candidate_is_judged_at_the_right_stage(tmp_path, vllm_checkout):
         "6-dead.patch": new_file_patch("vllm/unused_helper.py", "VALUE = 1\n", "never imported"),
         "7-outside.patch": new_file_patch("vllm/entrypoints/x.py", "X = 1\n", "outside the surface"),
         "8-garbage.patch": "Subject: does not apply\n\n--- a/vllm/nope.py\n+++ b/vllm/nope.py\n@@ -1 +1 @@\n-a\n+b\n",
+        "9-hang.patch": new_file_patch("vllm/fake_mode_9.json", mode("hang"), "never answers"),
     })
     finished = loop.run()
     got = decisions(setup)
@@ -75,7 +77,8 @@ def test_each_candidate_is_judged_at_the_right_stage(tmp_path, vllm_checkout):
     assert (got[6].verdict, got[6].stage) == ("discard", "liveness") and "unused_helper.py" in got[6].reason
     assert (got[7].verdict, got[7].stage) == ("discard", "surface")
     assert (got[8].verdict, got[8].stage) == ("discard", "apply")
-    assert finished.kept == 1 and finished.candidates == 8
+    assert (got[9].verdict, got[9].stage) == ("crash", "parity") and "failed to answer" in got[9].reason
+    assert finished.kept == 1 and finished.candidates == 9
     assert audit(setup.run_dir).commits == 1
 
 
