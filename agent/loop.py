@@ -113,7 +113,7 @@ class Loop:
         proposal = self.proposer.propose(ctx)
         proposal.candidate = n
         self.emit(proposal)
-        server, worktree, bench_report = None, None, None
+        server, worktree = None, None
         args = {**self.incumbent.args, **proposal.engine_args}
         try:
             violation = (surface_violation(proposal.patch, self.task.edit_surface)

@@ -37,9 +37,9 @@ async def generate(server: Server, prompts: list[list[int]], max_tokens: int, re
 async def check_parity(candidate: int, reference: Server, subject: Server, prompts: list[list[int]],
                        max_tokens: int, regime: str, timeout_s: float) -> ParityReport:
     expected = await generate(reference, prompts, max_tokens, regime, timeout_s)
-    divergence = first_divergence(expected, expected, max_tokens)
-    if divergence is not None:
-        raise RuntimeError(f"reference server returned {divergence.expected_len} tokens, not {max_tokens}")
+    wrong = next((len(tokens) for tokens in expected if len(tokens) != max_tokens), None)
+    if wrong is not None:
+        raise RuntimeError(f"reference server returned {wrong} tokens, not {max_tokens}")
     got = await generate(subject, prompts, max_tokens, regime, timeout_s)
     divergence = first_divergence(expected, got, max_tokens)
     return ParityReport(candidate=candidate, ok=divergence is None, regime=regime, prompts=len(prompts),
