@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from agent.task import TaskError, load_task, with_overrides
+from agent.task import TaskError, load_task, with_overrides, with_settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Optimize vLLM serving unattended; keep only changes with identical greedy tokens.")
@@ -34,6 +34,8 @@ def run(
     patches: Optional[Path] = typer.Option(None, help="patch folder for --proposer queue"),
     max_candidates: Optional[int] = typer.Option(None, help="override budget.max_candidates"),
     checkout: Optional[Path] = typer.Option(None, help="override target.checkout"),
+    settings: list[str] = typer.Option([], "--set", help="override a task field, e.g. --set workload.input_len=8192 "
+                                       "(repeatable; values are YAML)"),
     quiet: bool = typer.Option(False, help="no live view"),
 ):
     """Run an optimization task; ends with a branch nightshift/<run-id> and runs/<run-id>/."""
@@ -44,7 +46,7 @@ def run(
     from agent.view import LiveView
 
     try:
-        task = load_task(task_file)
+        task = with_settings(load_task(task_file), settings)
         if proposer == "queue" or patches:
             if not patches:
                 fail("--proposer queue needs --patches DIR")

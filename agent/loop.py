@@ -89,9 +89,12 @@ class Loop:
     def start(self) -> None:
         self.emit(self.s.run_started())
         tree = self.s.baseline_tree()
-        args = self.task.engine.args
-        self.reference = self.s.start_server("reference", tree, args, parity=self.dedicated_parity)
-        second = self.s.start_server("baseline-2", tree, args, parity=self.dedicated_parity)
+        args, dedicated = self.task.engine.args, self.dedicated_parity
+        requests = [("reference", tree, args, dedicated), ("baseline-2", tree, args, dedicated)]
+        if dedicated:
+            requests.append(("baseline-perf", tree, args, False))
+        servers = self.s.start_servers(requests)
+        self.reference, second = servers[0], servers[1]
         report = self.parity(0, second)
         self.emit(SelfParity(ok=report.ok, prompts=report.prompts, regime=report.regime,
                              identical=report.prompts if report.ok else report.divergence.prompt_index,
@@ -101,10 +104,9 @@ class Loop:
                 f"two baseline servers disagree on prompt {report.divergence.prompt_index} at token "
                 f"{report.divergence.position}: greedy output is not reproducible in this setup; "
                 "use a batch-invariant parity regime (parity.env / parity.args) or the sequential regime")
-        if self.dedicated_parity:
+        if dedicated:
             self.s.stop(second)
-            second = self.s.start_server("baseline-perf", tree, args)
-        self.incumbent = Incumbent(second, dict(args), tree)
+        self.incumbent = Incumbent(servers[-1], dict(args), tree)
 
     def step(self, n: int) -> None:
         ctx = ProposalContext(task=self.task, candidate=n, checkout=self.incumbent.tree,
@@ -148,12 +150,6 @@ class Loop:
         self.history.append(attempt)
         self.proposer.observe(attempt)
 
-    def start_candidate(self, name: str, worktree: Path, args: dict, parity: bool = False) -> Server:
-        try:
-            return self.s.start_server(name, worktree, args, parity=parity)
-        except SandboxError as exc:
-            raise Rejected("start", f"{exc}; log tail: {exc.logs[-1500:]}", "crash") from None
-
     def parity(self, n: int, subject: Server):
         p = self.task.parity
         prompts = draw_prompts(secrets.randbits(63), p.num_prompts, p.input_len, self.s.vocab_size)
@@ -161,25 +157,36 @@ class Loop:
                                         self.task.benchmark.request_timeout_s))
 
     def evaluate_parity(self, n: int, worktree: Path, args: dict) -> Server:
-        """Parity on fresh prompts; returns the candidate's production server."""
-        subject = self.start_candidate(f"candidate-{n}-parity" if self.dedicated_parity else f"candidate-{n}",
-                                       worktree, args, parity=self.dedicated_parity)
+        """Parity on fresh prompts; returns the candidate's production server. With dedicated parity
+        servers (batch-invariant mode, say) the candidate's two servers start side by side."""
+        requests = [(f"candidate-{n}", worktree, args, False)]
+        if self.dedicated_parity:
+            requests.insert(0, (f"candidate-{n}-parity", worktree, args, True))
+        try:
+            servers = self.s.start_servers(requests)
+        except SandboxError as exc:
+            raise Rejected("start", f"{exc}; log tail: {exc.logs[-1500:]}", "crash") from None
+        subject, production = servers[0], servers[-1]
+
+        def stop_all():
+            for server in servers:
+                self.s.stop(server)
+
         try:
             report = self.parity(n, subject)
         except ANSWER_ERRORS as exc:
-            self.s.stop(subject)
+            stop_all()
             raise Rejected("parity", f"candidate failed to answer: {exc}", "crash") from None
         self.emit(report)
         self.parity_digest = report.digest
         if not report.ok:
-            self.s.stop(subject)
+            stop_all()
             d = report.divergence
             raise Rejected("parity", f"prompt {d.prompt_index} diverges at token {d.position}: expected "
                                      f"{d.expected}, got {d.got} ({d.got_len}/{d.expected_len} tokens)")
-        if not self.dedicated_parity:
-            return subject
-        self.s.stop(subject)
-        return self.start_candidate(f"candidate-{n}", worktree, args)
+        if subject is not production:
+            self.s.stop(subject)
+        return production
 
     def benchmark(self, n: int, server: Server, worktree: Path, files: list[str]):
         seeds = [secrets.randbits(63) for _ in range(self.task.benchmark.repetitions + 1)]

@@ -5,7 +5,9 @@ import json
 import platform
 import secrets
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import git
@@ -17,7 +19,7 @@ from agent.checkpoint import CheckpointInfo, ensure_synthetic, real_checkpoint
 from agent.task import Task
 from agent.workspace import Workspace
 from sandbox import make_sandbox
-from sandbox.base import Sandbox, Server, ServerSpec
+from sandbox.base import Sandbox, SandboxError, Server, ServerSpec
 from traces import TraceWriter
 from traces.schema import RunStarted
 
@@ -67,6 +69,8 @@ class RunSetup:
         self.sandbox.reap()
         self.servers: list[Server] = []
         self.baseline: Path | None = None
+        self.cache_seed = self.run_dir / "compile-cache"
+        self._cache_lock = threading.Lock()
 
     def run_started(self) -> RunStarted:
         import torch
@@ -85,16 +89,53 @@ class RunSetup:
         return self.baseline
 
     def start_server(self, name: str, tree: Path, args: dict, parity: bool = False) -> Server:
+        """Start one server. Servers of the unmodified baseline tree export their compile caches,
+        which later servers start from; a candidate's caches are never exported."""
         engine = self.task.engine
         env = {**engine.env, **(self.task.parity.env if parity else {})}
         args = {"dtype": self.task.model.dtype, "max_model_len": self.task.model.max_model_len, **args,
                 **(self.task.parity.args if parity else {})}
+        trusted = self.baseline is not None and Path(tree) == self.baseline
+        seed = self.cache_seed if self.cache_seed.is_dir() else None
         spec = ServerSpec(name=name, labels={"nightshift.run": self.run_id, "nightshift.candidate": name},
                           source_tree=tree, model_dir=self.model.path, engine_args=args, env=env,
-                          startup_timeout_s=engine.startup_timeout_s, gpus=self.task.sandbox.gpus)
+                          startup_timeout_s=engine.startup_timeout_s, gpus=self.task.sandbox.gpus, cache_seed=seed)
         server = self.sandbox.start(spec)
         self.servers.append(server)
+        export = getattr(self.sandbox, "export_cache", None)
+        if trusted and export is not None:
+            with self._cache_lock:
+                export(server, self.cache_seed)
         return server
+
+    def start_servers(self, requests: list[tuple[str, Path, dict, bool]]) -> list[Server]:
+        """Start several servers (side by side unless sandbox.parallel_starts is off); if one fails,
+        the others are stopped and the first failure is raised."""
+        if not self.task.sandbox.parallel_starts or len(requests) < 2:
+            started: list[Server] = []
+            try:
+                for request in requests:
+                    started.append(self.start_server(*request))
+            except BaseException:
+                for server in started:
+                    self.stop(server)
+                raise
+            return started
+        with ThreadPoolExecutor(len(requests)) as pool:
+            futures = [pool.submit(self.start_server, *request) for request in requests]
+            outcomes = []
+            for future in futures:
+                try:
+                    outcomes.append(future.result())
+                except BaseException as exc:
+                    outcomes.append(exc)
+        failures = [o for o in outcomes if isinstance(o, BaseException)]
+        if failures:
+            for server in outcomes:
+                if not isinstance(server, BaseException):
+                    self.stop(server)
+            raise next((f for f in failures if isinstance(f, SandboxError)), failures[0])
+        return outcomes
 
     def stop(self, server: Server) -> None:
         if server in self.servers:

@@ -151,6 +151,9 @@ class Sandbox(Strict):
     cpus: float | None = Field(None, gt=0)
     pids_limit: int = Field(4096, gt=0)
     tmpfs_mb: int = Field(2048, gt=0)
+    parallel_starts: bool = True
+    """Start the servers that a step needs at once (the two baselines; a candidate's parity and
+    performance servers) instead of one after another."""
 
 
 class Task(Strict):
@@ -226,3 +229,23 @@ def with_overrides(task: Task, **sections: dict[str, Any]) -> Task:
         merge = name != "proposer" and isinstance(data.get(name), dict)
         data[name] = {**data[name], **values} if merge else values
     return parse_task(data, "<overrides>")
+
+
+def with_settings(task: Task, settings: list[str]) -> Task:
+    """A copy of the task with `dotted.path=value` settings applied (values are YAML: 8, true, [1, 2])."""
+    data = task.model_dump(mode="json")
+    for setting in settings:
+        path, sep, raw = setting.partition("=")
+        keys = [k for k in path.strip().split(".") if k]
+        if not sep or not keys:
+            raise TaskError(f"--set {setting!r}: expected section.key=value")
+        node = data
+        for depth, key in enumerate(keys[:-1]):
+            if not isinstance(node.get(key), dict):
+                raise TaskError(f"--set {setting!r}: {'.'.join(keys[:depth + 1])} is not a section of the task")
+            node = node[key]
+        try:
+            node[keys[-1]] = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise TaskError(f"--set {setting!r}: the value is not valid YAML: {exc}") from None
+    return parse_task(data, "<--set>")

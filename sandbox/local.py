@@ -18,7 +18,10 @@ from sandbox.base import Outcome, SandboxError, ServerSpec, answers_health, clea
 
 RECORDER = Path(__file__).parent / "recorder"
 PASSED_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "LD_LIBRARY_PATH",
-              "CUDA_HOME")
+              "CUDA_HOME", "CUDA_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+              "NVSHMEM_DISABLE_NVLS")
+CACHE_DIRS = ("cache", ".triton")
+"""Per-server compile caches under the server's HOME (vLLM/inductor under cache/, Triton under .triton/)."""
 PASSED_PREFIXES = ("VLLM_", "NVIDIA_")
 
 
@@ -31,13 +34,17 @@ def free_port() -> int:
 def server_env(spec: ServerSpec, home: Path, import_log: Path, source_tree: Path, tmp: Path | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k in PASSED_ENV or k.startswith(PASSED_PREFIXES)}
     env = clean_env(env)
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env.update({
         "HOME": str(home), "TMPDIR": str(tmp or home), "XDG_CACHE_HOME": str(home / "cache"),
         "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-        "PYTHONPATH": f"{RECORDER}{os.pathsep}{source_tree}",
+        "PYTHONPATH": os.pathsep.join([str(RECORDER), str(source_tree), *inherited]),
+        "TORCHINDUCTOR_CACHE_DIR": str(home / "cache" / "torchinductor"),
         "NIGHTSHIFT_IMPORT_LOG": str(import_log), "NIGHTSHIFT_SOURCE_TREE": str(source_tree),
         "PYTHONUNBUFFERED": "1",
     })
+    if spec.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
     env.update(clean_env(spec.env))
     return env
 
@@ -109,6 +116,8 @@ class LocalSandbox:
         home = self.root / spec.name
         shutil.rmtree(home, ignore_errors=True)
         home.mkdir(parents=True)
+        if spec.cache_seed is not None:
+            copy_caches(Path(spec.cache_seed), home)
         tmp = Path(tempfile.mkdtemp(prefix="nightshift-"))  # short: vLLM binds Unix sockets in it
         log, import_log = home / "server.log", home / "imports.txt"
         port = free_port()
@@ -125,6 +134,10 @@ class LocalSandbox:
         wait_healthy(server, spec.startup_timeout_s)
         return server
 
+    def export_cache(self, server: LocalServer, dest: Path) -> None:
+        """Copy a (trusted) server's compile caches into `dest`, the seed for later servers."""
+        copy_caches(server.home, Path(dest))
+
     def reap(self) -> int:
         """Kill the server process groups of runs (in the same runs folder) whose harness is gone."""
         reaped = 0
@@ -139,6 +152,12 @@ class LocalSandbox:
                 pass
             pid_file.unlink(missing_ok=True)
         return reaped
+
+
+def copy_caches(source: Path, dest: Path) -> None:
+    for name in CACHE_DIRS:
+        if (source / name).is_dir():
+            shutil.copytree(source / name, dest / name, symlinks=True, dirs_exist_ok=True)
 
 
 def _alive(pid: int) -> bool:

@@ -13,6 +13,7 @@ FAKE = Path(__file__).parent / "fake_vllm.py"
 class FakeSandbox:
     def __init__(self, root: Path):
         self.root = root
+        self.started: list[ServerSpec] = []
 
     def start(self, spec: ServerSpec) -> LocalServer:
         home = self.root / spec.name
@@ -25,6 +26,7 @@ class FakeSandbox:
         (home / "tmp").mkdir()
         server = LocalServer(spec, process, port, home, log, imports, home / "tmp")
         wait_healthy(server, 30)
+        self.started.append(spec)
         return server
 
     def reap(self) -> int:

@@ -1,4 +1,5 @@
 """The local backend with real processes: scrubbed environment, process-group kill, reaping."""
+import json
 import os
 import signal
 import subprocess
@@ -7,7 +8,7 @@ import time
 from pathlib import Path
 
 from sandbox.base import ServerSpec, serve_argv
-from sandbox.local import LocalSandbox, _alive, server_env
+from sandbox.local import RECORDER, LocalSandbox, _alive, server_env
 
 
 def spec(tmp_path, **kw) -> ServerSpec:
@@ -21,7 +22,7 @@ def test_environment_is_scrubbed_of_secrets(tmp_path, monkeypatch):
     env = server_env(spec(tmp_path, env={"MY_SECRET": "x", "VLLM_X": "1"}), tmp_path, tmp_path / "log", tmp_path)
     assert "sk-secret" not in env.values() and "hf-secret" not in env.values()
     assert "MY_SECRET" not in env and env["VLLM_X"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
-    assert env["HOME"] == str(tmp_path) and env["PYTHONPATH"].endswith(str(tmp_path))
+    assert env["HOME"] == str(tmp_path) and env["PYTHONPATH"].split(os.pathsep)[1] == str(tmp_path)
 
 
 def test_serve_argv_spells_flags():
@@ -55,3 +56,67 @@ def test_reap_kills_servers_whose_harness_is_gone(tmp_path):
     finally:
         neighbour.kill()
         orphan.kill()
+
+
+FAKE_SERVE = """
+import json, os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+port = int(sys.argv[sys.argv.index("--port") + 1])
+import vllm.patched
+home = os.environ["HOME"]
+seen = {"python_path": os.environ["PYTHONPATH"], "site_ran": os.environ.get("SHADOWED_SITE_RAN"),
+        "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "cached": sorted(os.path.relpath(os.path.join(d, f), home) for d, _, fs in os.walk(home) for f in fs
+                         if f.startswith("kernel"))}
+open(os.path.join(home, "seen.json"), "w").write(json.dumps(seen))
+os.makedirs(os.path.join(home, ".triton", "cache"), exist_ok=True)
+open(os.path.join(home, ".triton", "cache", "kernel-" + os.path.basename(home)), "w").write("compiled")
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+    def log_message(self, *a): pass
+HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def fake_serve_tree(root: Path) -> Path:
+    cli = root / "vllm" / "entrypoints" / "cli"
+    cli.mkdir(parents=True)
+    for package in (root / "vllm", root / "vllm" / "entrypoints", cli):
+        (package / "__init__.py").write_text("")
+    (cli / "main.py").write_text(FAKE_SERVE)
+    (root / "vllm" / "patched.py").write_text("VALUE = 1\n")
+    return root
+
+
+def test_server_keeps_the_harness_path_after_the_tree_and_chains_sitecustomize(tmp_path, monkeypatch):
+    """A vLLM installed on PYTHONPATH (with its own sitecustomize) stays usable behind the candidate tree."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os\nos.environ['SHADOWED_SITE_RAN'] = 'yes'\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    tree = fake_serve_tree(tmp_path / "tree")
+    sandbox = LocalSandbox(None, tmp_path / "run")
+    server = sandbox.start(ServerSpec(name="c1", source_tree=tree, model_dir=tmp_path, gpus=[3], startup_timeout_s=30))
+    try:
+        seen = json.loads((server.home / "seen.json").read_text())
+    finally:
+        server.stop()
+    assert seen["python_path"].split(os.pathsep) == [str(RECORDER), str(tree), str(site)]
+    assert seen["site_ran"] == "yes" and seen["gpus"] == "3"
+    assert "vllm/patched.py" in server.imported_files()
+
+
+def test_servers_start_from_the_exported_caches_only(tmp_path):
+    tree = fake_serve_tree(tmp_path / "tree")
+    sandbox = LocalSandbox(None, tmp_path / "run")
+    seed = tmp_path / "seed"
+    base = sandbox.start(ServerSpec(name="baseline", source_tree=tree, model_dir=tmp_path, startup_timeout_s=30))
+    sandbox.export_cache(base, seed)
+    base.stop()
+    spec = ServerSpec(name="candidate", source_tree=tree, model_dir=tmp_path, startup_timeout_s=30, cache_seed=seed)
+    candidate = sandbox.start(spec)
+    candidate.stop()
+    seen = json.loads((candidate.home / "seen.json").read_text())
+    assert seen["cached"] == [".triton/cache/kernel-baseline"]
+    assert sorted(p.name for p in (seed / ".triton" / "cache").iterdir()) == ["kernel-baseline"]

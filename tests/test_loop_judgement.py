@@ -28,14 +28,15 @@ def mode(name: str, delay_s: float = 0.01) -> str:
 
 def fake_task(checkout: Path, patches: Path, **overrides):
     task = load_task(ROOT / "tasks" / "gemma4-tiny-cpu.yaml")
-    return with_overrides(
-        task, target={"checkout": str(checkout)},
+    sections = dict(
+        target={"checkout": str(checkout)},
         proposer={"kind": "queue", "patches": str(patches)},
         edit_surface={"include": ["vllm/*"], "exclude": ["vllm/entrypoints/*"]},
         workload={"num_prompts": 8, "input_len": 16, "output_len": 16},
         parity={"num_prompts": 4, "input_len": 8, "max_tokens": 8, "regime": "sequential"},
         benchmark={"warmup_requests": 2, "repetitions": 5, "request_timeout_s": 10},
-        budget={"max_candidates": 10}, **overrides)
+        budget={"max_candidates": 10})
+    return with_overrides(task, **{**sections, **overrides})
 
 
 def run(tmp_path, checkout, patches: dict[str, str], **overrides):
@@ -99,4 +100,21 @@ def test_a_nondeterministic_setup_refuses_to_start(tmp_path, vllm_checkout):
     assert [r.event.kind for r in records] == ["run_started", "self_parity", "run_finished"]
     assert not records[1].event.ok
     assert records[2].event.reason.startswith("error: SetupNotDeterministic")
+    assert setup.servers == []
+
+
+def test_dedicated_parity_servers_start_beside_the_production_ones(tmp_path, vllm_checkout):
+    setup, loop = run(tmp_path, vllm_checkout,
+                      {"1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster")},
+                      parity={"num_prompts": 4, "input_len": 8, "max_tokens": 8, "regime": "one_batch",
+                              "env": {"VLLM_BATCH_INVARIANT": "1"}, "args": {"attention_backend": "TRITON_ATTN"}})
+    finished = loop.run()
+    assert finished.kept == 1, decisions(setup)[1].reason
+    started = {spec.name: spec for spec in setup.sandbox.started}
+    assert sorted(started) == ["baseline-2", "baseline-perf", "candidate-1", "candidate-1-parity", "reference"]
+    for name in ("reference", "baseline-2", "candidate-1-parity"):
+        assert started[name].env.get("VLLM_BATCH_INVARIANT") == "1"
+        assert started[name].engine_args["attention_backend"] == "TRITON_ATTN"
+    for name in ("baseline-perf", "candidate-1"):
+        assert "VLLM_BATCH_INVARIANT" not in started[name].env and "attention_backend" not in started[name].engine_args
     assert setup.servers == []

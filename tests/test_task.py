@@ -76,3 +76,19 @@ def test_overrides_replace_the_proposer_and_merge_sections():
                           budget={"max_candidates": 1})
     assert task.proposer.kind == "queue" and str(task.proposer.patches) == "/p"
     assert task.budget.max_candidates == 1 and task.budget.wall_clock_s == 2400
+
+
+def test_settings_override_nested_fields_and_name_bad_ones():
+    from agent.task import with_settings
+
+    task = load_task(ROOT / "tasks" / "gemma4-e2b.yaml")
+    changed = with_settings(task, ["workload.input_len=8192", "benchmark.repetitions=3",
+                                   "proposer.space={max_num_seqs: [256, 512]}", "model.synthetic.seed=7"])
+    assert (changed.workload.input_len, changed.benchmark.repetitions, changed.model.synthetic.seed) == (8192, 3, 7)
+    assert changed.proposer.space == {"max_num_seqs": [256, 512]} and task.workload.input_len == 1024
+    with pytest.raises(TaskError, match="workload.inputlen"):
+        with_settings(task, ["workload.inputlen=5"])
+    with pytest.raises(TaskError, match="expected section.key=value"):
+        with_settings(task, ["workload.input_len"])
+    with pytest.raises(TaskError, match="not a section"):
+        with_settings(task, ["nope.key=1"])

@@ -34,3 +34,20 @@ if _log_path and _root:
             os.close(fd)
 
     sys.addaudithook(_record)
+
+
+def _run_next_sitecustomize():
+    """This file shadows any other sitecustomize.py; run the one Python would have found next."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for entry in sys.path:
+        if not entry or os.path.abspath(entry) == here:
+            continue
+        shadowed = os.path.join(entry, "sitecustomize.py")
+        if os.path.isfile(shadowed):
+            import runpy
+
+            runpy.run_path(shadowed, run_name="sitecustomize")
+            return
+
+
+_run_next_sitecustomize()
