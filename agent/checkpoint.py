@@ -36,6 +36,8 @@ class CheckpointInfo(BaseModel):
     params: int = 0
     seed: int | None = None
     knobs: dict[str, float] = {}
+    init_device: str = "cpu"
+    """Where the seeded initialisation ran: the same seed gives other weights on a GPU than on a CPU."""
     margins: Margins | None = None
     seconds: float = 0.0
 
@@ -67,8 +69,10 @@ def ensure_synthetic(config_path: Path, seed: int, logit_scale: float = 1.0, dty
     """Write the checkpoint once per (config, seed, knobs); later calls return the cached one."""
     config = json.loads(Path(config_path).read_text())
     knobs = {"logit_scale": logit_scale, "final_norm_scale": final_norm_scale, "post_norm_scale": post_norm_scale}
+    device = init_device()
     key = hashlib.sha256(json.dumps(
         {"config": config, "seed": seed, "dtype": dtype, "recipe": RECIPE,
+         **({"init_device": device} if device != "cpu" else {}),
          **{k: v for k, v in knobs.items() if v != 1.0 or k == "logit_scale"}},
         sort_keys=True).encode()).hexdigest()[:16]
     folder = (cache or cache_root() / "models") / f"synthetic-{key}"
@@ -78,8 +82,9 @@ def ensure_synthetic(config_path: Path, seed: int, logit_scale: float = 1.0, dty
     staging = folder.with_name(folder.name + f".tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     started = time.time()
-    params, margins = write_synthetic(config, staging, seed, knobs, dtype)
+    params, margins = write_synthetic(config, staging, seed, knobs, dtype, device)
     info = CheckpointInfo(path=folder, sha256=weights_sha256(staging), params=params, seed=seed, knobs=knobs,
+                          init_device=device,
                           margins=margins, seconds=round(time.time() - started, 2))
     (staging / MANIFEST).write_text(info.model_dump_json(indent=2))
     for file in staging.iterdir():
@@ -89,10 +94,17 @@ def ensure_synthetic(config_path: Path, seed: int, logit_scale: float = 1.0, dty
     return info
 
 
+def init_device() -> str:
+    """A GPU when there is one (seconds for billions of parameters; a CPU takes many minutes)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 POST_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm", "post_per_layer_input_norm")
 
 
-def write_synthetic(config: dict, out: Path, seed: int, knobs: dict[str, float], dtype: str):
+def write_synthetic(config: dict, out: Path, seed: int, knobs: dict[str, float], dtype: str, device: str = "cpu"):
     """HF initialisation under the seed, then the knobs: `logit_scale` multiplies the tied
     embedding, `final_norm_scale` the final RMSNorm weight (all pre-softcap logits), and
     `post_norm_scale` every sub-layer post-norm weight (sub-layers outweigh the input token, which
@@ -104,7 +116,8 @@ def write_synthetic(config: dict, out: Path, seed: int, knobs: dict[str, float],
     (out / "config.json").write_text(json.dumps(config, indent=2))
     hf_config = AutoConfig.from_pretrained(out)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, dtype))
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, dtype))
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(knobs["logit_scale"])
         model.get_decoder().norm.weight.mul_(knobs["final_norm_scale"])
@@ -114,6 +127,9 @@ def write_synthetic(config: dict, out: Path, seed: int, knobs: dict[str, float],
     margins = measure_margins(model, config["vocab_size"], seed)
     params = sum(p.numel() for p in model.parameters())
     model.save_pretrained(out)
+    del model
+    if device != "cpu":
+        torch.cuda.empty_cache()
     (out / "config.json").write_text(json.dumps(config, indent=2))
     add_shared_kv_tensors(out)
     write_synthetic_tokenizer(out, config["vocab_size"])

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# `nightshift run` on the GPU machine, in one lease (see benchmarks/README.md for the call sequence).
+#   stage PART        copy .payload/PART to /tmp/pl (parts survive while the machine stays warm);
+#                     with .whl carried: install nightshift's missing wheels (and git, if absent)
+#   launch [ARGS...]  install the payload, copy this checkout to /tmp/ns/repo, start
+#                     `nightshift run $TASK ARGS...` detached, then poll
+#   poll SECONDS      wait for the run (or SECONDS), pack $OUT/run.tgz, print the trace so far
+set -u
+NS=/tmp/ns
+TASK=${TASK:-tasks/gemma4-e2b.yaml}
+env_setup() {
+  export PYTHONPATH=${NS_PYTHONPATH-/tmp/site:/tmp/nsdeps} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+  export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1 NIGHTSHIFT_CACHE=$NS/cache
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  if [ -x /tmp/gitroot/usr/bin/git ]; then
+    export PATH=/tmp/gitroot/usr/bin:$PATH GIT_EXEC_PATH=/tmp/gitroot/usr/lib/git-core
+  fi
+}
+case "${1:-}" in
+  stage)
+    mkdir -p /tmp/pl $NS && cp -r ".payload/$2" /tmp/pl/
+    if [ -d .whl ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/nsdeps .whl/*.whl
+      command -v git >/dev/null || dpkg -x .whl/git.deb /tmp/gitroot
+      env_setup; git --version
+      python3 -c "import git, optuna, tenacity, typer, rich, scipy, httpx, yaml; print('harness imports ok')"
+    fi
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader ;;
+  launch)
+    shift
+    if [ -z "${SKIP_PAYLOAD:-}" ]; then
+      bash /tmp/pl/p1/install.sh > $NS/install.log 2>&1 || { tail -20 $NS/install.log; exit 1; }
+      tail -3 $NS/install.log
+    fi
+    rm -rf $NS/repo && mkdir -p $NS/runs && git ls-files -z | tar --null -T - -cf - | (mkdir -p $NS/repo && tar -xf - -C $NS/repo)
+    env_setup
+    (cd $NS/repo && setsid nohup python3 -m agent.cli run "$TASK" --runs-dir $NS/runs --quiet "$@" \
+        > $NS/run.log 2>&1 < /dev/null; echo "nightshift exit $?" >> $NS/run.log) &
+    sleep 5
+    exec bash "$0" poll "${POLL_S:-420}" ;;
+  poll)
+    env_setup
+    end=$((SECONDS + ${2:-420})); next=$((SECONDS + 60))
+    pack() {
+      run=$(ls -td $NS/runs/*/ 2>/dev/null | head -1)
+      [ -n "$run" ] || return 0
+      (cd $NS/repo && python3 gpu/pack_run.py "$run" "$NS/run.log" "$OUT/run.tgz") || true
+    }
+    while [ $SECONDS -lt $end ] && ! grep -q "nightshift exit" $NS/run.log 2>/dev/null; do
+      sleep 5
+      if [ $SECONDS -ge $next ]; then pack; next=$((SECONDS + 60)); fi
+    done
+    pack
+    tail -n 25 $NS/run.log
+    run=$(ls -td $NS/runs/*/ 2>/dev/null | head -1)
+    [ -n "$run" ] && (cd $NS/repo && python3 gpu/trace_lines.py "$run")
+    nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null || true ;;
+  *) echo "usage: $0 stage PART | launch [nightshift run options] | poll SECONDS"; exit 2 ;;
+esac
