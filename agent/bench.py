@@ -29,10 +29,9 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 async def timed_pass(server: Server, role: str, repetition: int, prompts: list[list[int]], output_len: int,
                      concurrency: int | None, timeout_s: float) -> Pass:
-    async with server.client(timeout_s) as client:
-        started = time.perf_counter()
-        completions = await complete_all(client, prompts, output_len, concurrency)
-        seconds = time.perf_counter() - started
+    started, cpu = time.perf_counter(), time.process_time()
+    completions = await complete_all(server, prompts, output_len, concurrency, timeout_s)
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     outputs = [c.tokens for c in completions]
     short = [i for i, tokens in enumerate(outputs) if len(tokens) != output_len]
     if short:
@@ -46,15 +45,15 @@ async def timed_pass(server: Server, role: str, repetition: int, prompts: list[l
                     output_tokens=output_tokens, total_tokens_per_s=(input_tokens + output_tokens) / seconds,
                     output_tokens_per_s=output_tokens / seconds, ttft_ms_p50=_percentile(ttft, 50),
                     ttft_ms_p99=_percentile(ttft, 99), tpot_ms_p50=_percentile(tpot, 50),
-                    tpot_ms_p99=_percentile(tpot, 99))
+                    tpot_ms_p99=_percentile(tpot, 99), client_cpu_s=round(cpu, 3))
     return Pass(sample, outputs)
 
 
 async def warm_up(server: Server, task: Task, vocab_size: int, seed: int) -> None:
     if task.benchmark.warmup_requests:
         prompts = draw_prompts(seed, task.benchmark.warmup_requests, task.workload.input_len, vocab_size)
-        async with server.client(task.benchmark.request_timeout_s) as client:
-            await complete_all(client, prompts, task.workload.output_len, task.workload.concurrency)
+        await complete_all(server, prompts, task.workload.output_len, task.workload.concurrency,
+                           task.benchmark.request_timeout_s)
 
 
 async def compare(task: Task, incumbent: Server, candidate: Server, vocab_size: int,

@@ -28,9 +28,8 @@ def digest(prompts: list[list[int]], outputs: list[list[int]]) -> str:
 
 async def generate(server: Server, prompts: list[list[int]], max_tokens: int, regime: str,
                    timeout_s: float) -> list[list[int]]:
-    async with server.client(timeout_s) as client:
-        completions: list[Completion] = await complete_all(
-            client, prompts, max_tokens, 1 if regime == "sequential" else None)
+    completions: list[Completion] = await complete_all(
+        server, prompts, max_tokens, 1 if regime == "sequential" else None, timeout_s)
     return [c.tokens for c in completions]
 
 

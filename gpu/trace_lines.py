@@ -16,7 +16,7 @@ for line in (Path(sys.argv[1]) / "trace.jsonl").read_text().splitlines():
     event = record.get("event", record)
     when = time.strftime("%H:%M:%S", time.gmtime(event.get("time", record.get("time", 0)) or 0))
     fields = {k: event[k] for k in KEYS if event.get(k) not in (None, "", [], {})}
-    if event.get("kind") == "bench_report":
+    if event.get("kind") == "benchmark":
         fields["samples"] = [(s["role"][0], round(s[event.get("metric", "total_tokens_per_s")])) for s in event["samples"]]
     text = json.dumps(fields, default=str)
     print(f"{when} {event.get('kind', '?'):<14} {text[:400]}")

@@ -5,6 +5,8 @@ clock, the prompts and the reference outputs stay on the harness side.
 """
 from __future__ import annotations
 
+import functools
+import ssl
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -12,6 +14,18 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 Outcome = Literal["ok", "timeout", "oom", "crash"]
+
+UNLIMITED = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+"""httpx pools 100 connections by default, which would silently cap the workload's concurrency."""
+
+
+
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """Built once: every client would otherwise load the CA bundle again (~35 ms each), though the
+    servers speak plain HTTP on loopback or a Unix socket."""
+    return ssl.create_default_context()
+
 
 SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL", "AUTH")
 

@@ -19,7 +19,7 @@ import docker
 import httpx
 from docker.errors import DockerException, NotFound
 
-from sandbox.base import Outcome, SandboxError, ServerSpec, answers_health
+from sandbox.base import UNLIMITED, tls_context, Outcome, SandboxError, ServerSpec, answers_health
 from sandbox.docker_spec import IMPORT_LOG_NAME, LABEL, SANDBOX_UID, SOCKET_NAME, container_spec, slug
 from sandbox.gpu_idle import gpu_memory_used_mib, wait_until_idle
 
@@ -108,7 +108,8 @@ class DockerServer:
         self._final: tuple[Outcome, str, list[str]] | None = None
 
     def client(self, timeout: float) -> httpx.AsyncClient:
-        return httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=str(self.socket)),
+        return httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=str(self.socket), limits=UNLIMITED,
+                                                                    verify=tls_context()),
                                  base_url="http://sandbox", timeout=timeout)
 
     def sync_client(self, timeout: float) -> httpx.Client:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from sandbox.base import Outcome, SandboxError, ServerSpec, answers_health, clean_env, serve_argv
+from sandbox.base import UNLIMITED, tls_context, Outcome, SandboxError, ServerSpec, answers_health, clean_env, serve_argv
 
 RECORDER = Path(__file__).parent / "recorder"
 PASSED_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "LD_LIBRARY_PATH",
@@ -63,7 +63,8 @@ class LocalServer:
         self.tmp = tmp
 
     def client(self, timeout: float) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.port}", timeout=timeout)
+        return httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.port}", timeout=timeout, limits=UNLIMITED,
+                                 verify=tls_context())
 
     def sync_client(self, timeout: float) -> httpx.Client:
         return httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=timeout)

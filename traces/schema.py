@@ -113,6 +113,8 @@ class Sample(BaseModel):
     ttft_ms_p99: float | None = None
     tpot_ms_p50: float | None = None
     tpot_ms_p99: float | None = None
+    client_cpu_s: float | None = None
+    """CPU time the harness's client spent on the pass; near `seconds`, the client was the limit."""
 
 
 class Liveness(BaseModel):

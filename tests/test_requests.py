@@ -1,0 +1,59 @@
+"""The harness client against a real loopback server: concurrency is what the task says."""
+import asyncio
+import json
+
+import httpx
+
+from agent.requests import complete_all
+from sandbox.base import UNLIMITED, tls_context
+
+
+class CountingServer:
+    """Minimal HTTP/1.1 server: answers each completion with one SSE token after a short wait,
+    and records the largest number of requests in flight."""
+
+    def __init__(self):
+        self.in_flight = self.peak = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length"))
+                body = json.loads(await reader.readexactly(length))
+                self.in_flight += 1
+                self.peak = max(self.peak, self.in_flight)
+                await asyncio.sleep(0.3)
+                self.in_flight -= 1
+                events = "".join(f'data: {json.dumps({"choices": [{"token_ids": [7 + i]}]})}\n\n'
+                                 for i in range(body["max_tokens"])) + "data: [DONE]\n\n"
+                payload = events.encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                             b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+
+def test_more_than_a_default_pool_of_requests_are_in_flight():
+    async def main():
+        counting = CountingServer()
+        server = await asyncio.start_server(counting.handle, "127.0.0.1", 0, backlog=1024)
+        port = server.sockets[0].getsockname()[1]
+
+        class Target:
+            def client(self, timeout):
+                return httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=timeout, limits=UNLIMITED,
+                                         verify=tls_context())
+
+        async with server:
+            many = await complete_all(Target(), [[5, 6]] * 300, 3, 150, 30)
+            peak_many = counting.peak
+            counting.peak = 0
+            one = await complete_all(Target(), [[5, 6]] * 5, 3, 1, 30)
+        return many, peak_many, one, counting.peak
+
+    many, peak_many, one, peak_one = asyncio.run(main())
+    assert peak_many == 150 and peak_one == 1
+    assert [c.tokens for c in many] == [[7, 8, 9]] * 300 and [c.tokens for c in one] == [[7, 8, 9]] * 5
