@@ -5,6 +5,7 @@
 #   launch [ARGS...]  install the payload, copy this checkout to /tmp/ns/repo, start
 #                     `nightshift run $TASK ARGS...` detached, then poll
 #   poll SECONDS      wait for the run (or SECONDS), pack $OUT/run.tgz, print the trace so far
+#   stop              end the run now (SIGTERM: servers stopped, run_finished written), then poll
 set -u
 NS=/tmp/ns
 TASK=${TASK:-tasks/gemma4-e2b.yaml}
@@ -32,12 +33,21 @@ case "${1:-}" in
       bash /tmp/pl/p1/install.sh > $NS/install.log 2>&1 || { tail -20 $NS/install.log; exit 1; }
       tail -3 $NS/install.log
     fi
-    rm -rf $NS/repo && mkdir -p $NS/runs && git ls-files -z | tar --null -T - -cf - | (mkdir -p $NS/repo && tar -xf - -C $NS/repo)
+    rm -rf $NS/repo && mkdir -p $NS/runs $NS/res && git ls-files -z | tar --null -T - -cf - | (mkdir -p $NS/repo && tar -xf - -C $NS/repo)
     env_setup
     (cd $NS/repo && setsid nohup python3 -m agent.cli run "$TASK" --runs-dir $NS/runs --quiet "$@" \
         > $NS/run.log 2>&1 < /dev/null; echo "nightshift exit $?" >> $NS/run.log) &
+    if [ -n "${GRID:-}" ]; then  # margins of other checkpoint knobs, HF forward on the GPU, beside the run
+      (cd $NS/repo && setsid nohup bash -c "python3 gpu/make_model.py /tmp/g4 --config gpu/gemma-4-e2b-text.config.json \
+          && python3 gpu/synth_ckpt.py /tmp/g4 /tmp/g4x --grid --no-save --report $NS/res/grid.json" \
+          > $NS/res/grid.log 2>&1 < /dev/null &)
+    fi
     sleep 5
     exec bash "$0" poll "${POLL_S:-420}" ;;
+  stop)
+    pkill -TERM -f "agent.cli run" || true
+    for _ in $(seq 60); do grep -q "nightshift exit" $NS/run.log 2>/dev/null && break; sleep 2; done
+    exec bash "$0" poll 1 ;;
   poll)
     env_setup
     end=$((SECONDS + ${2:-420})); next=$((SECONDS + 60))
@@ -51,6 +61,7 @@ case "${1:-}" in
       if [ $SECONDS -ge $next ]; then pack; next=$((SECONDS + 60)); fi
     done
     pack
+    cp $NS/res/* "$OUT/" 2>/dev/null || true
     tail -n 25 $NS/run.log
     run=$(ls -td $NS/runs/*/ 2>/dev/null | head -1)
     [ -n "$run" ] && (cd $NS/repo && python3 gpu/trace_lines.py "$run")
