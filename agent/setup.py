@@ -123,16 +123,16 @@ class RunSetup:
             return started
         with ThreadPoolExecutor(len(requests)) as pool:
             futures = [pool.submit(self.start_server, *request) for request in requests]
-            outcomes = []
-            for future in futures:
+            outcomes: list = []
+            for future in futures:  # an interrupt here propagates once the starts end; the run stops them
                 try:
                     outcomes.append(future.result())
-                except BaseException as exc:
+                except Exception as exc:
                     outcomes.append(exc)
-        failures = [o for o in outcomes if isinstance(o, BaseException)]
+        failures = [o for o in outcomes if isinstance(o, Exception)]
         if failures:
             for server in outcomes:
-                if not isinstance(server, BaseException):
+                if not isinstance(server, Exception):
                     self.stop(server)
             raise next((f for f in failures if isinstance(f, SandboxError)), failures[0])
         return outcomes

@@ -35,8 +35,8 @@ case "${1:-}" in
     fi
     rm -rf $NS/repo && mkdir -p $NS/runs $NS/res && git ls-files -z | tar --null -T - -cf - | (mkdir -p $NS/repo && tar -xf - -C $NS/repo)
     env_setup
-    (cd $NS/repo && setsid nohup python3 -m agent.cli run "$TASK" --runs-dir $NS/runs --quiet "$@" \
-        > $NS/run.log 2>&1 < /dev/null; echo "nightshift exit $?" >> $NS/run.log) &
+    (cd $NS/repo && setsid nohup bash -c 'python3 -m agent.cli run "$@" > '$NS'/run.log 2>&1 < /dev/null & echo $! > '$NS'/run.pid;
+        wait $!; echo "nightshift exit $?" >> '$NS'/run.log' _ "$TASK" --runs-dir $NS/runs --quiet "$@" > /dev/null 2>&1 &)
     if [ -n "${GRID:-}" ]; then  # margins of other checkpoint knobs, HF forward on the GPU, beside the run
       (cd $NS/repo && setsid nohup bash -c "python3 gpu/make_model.py /tmp/g4 --config gpu/gemma-4-e2b-text.config.json \
           && python3 gpu/synth_ckpt.py /tmp/g4 /tmp/g4x --grid --no-save --report $NS/res/grid.json" \
@@ -45,7 +45,7 @@ case "${1:-}" in
     sleep 5
     exec bash "$0" poll "${POLL_S:-420}" ;;
   stop)
-    pkill -TERM -f "agent.cli run" || true
+    kill -TERM "$(cat $NS/run.pid)" || true
     for _ in $(seq 60); do grep -q "nightshift exit" $NS/run.log 2>/dev/null && break; sleep 2; done
     exec bash "$0" poll 1 ;;
   poll)
