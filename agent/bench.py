@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -56,8 +57,8 @@ async def warm_up(server: Server, task: Task, vocab_size: int, seed: int) -> Non
                            task.benchmark.request_timeout_s)
 
 
-async def compare(task: Task, incumbent: Server, candidate: Server, vocab_size: int,
-                  seeds: list[int]) -> tuple[list[Sample], SpeedupEstimate, str]:
+async def compare(task: Task, incumbent: Server, candidate: Server, vocab_size: int, seeds: list[int],
+                  on_sample: Callable[[Sample], None] = lambda s: None) -> tuple[list[Sample], SpeedupEstimate, str]:
     """Interleave incumbent and candidate (ABBA order) over fresh prompts for each repetition."""
     w, b = task.workload, task.benchmark
     await warm_up(incumbent, task, vocab_size, seeds[0])
@@ -74,6 +75,7 @@ async def compare(task: Task, incumbent: Server, candidate: Server, vocab_size: 
             passes[role] = await timed_pass(server, role, repetition, prompts, w.output_len, w.concurrency,
                                             b.request_timeout_s)
             samples.append(passes[role].sample)
+            on_sample(passes[role].sample)
         if b.check_tokens:
             if passes["candidate"].outputs != passes["incumbent"].outputs:
                 raise WorkMismatch(f"repetition {repetition}: benchmark tokens differ from the incumbent's")

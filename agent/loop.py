@@ -23,7 +23,8 @@ from agent.setup import RunSetup
 from agent.surface import engine_args_violation, surface_violation
 from agent.workspace import ApplyError
 from sandbox.base import SandboxError, Server
-from traces.schema import AnyEvent, Commit, Decision, PatchApplied, Proposal, RunFinished, SelfParity, Stage
+from traces.schema import (AnyEvent, Commit, Decision, PatchApplied, Proposal, RunFinished, SampleTaken, SelfParity,
+                           Stage)
 
 
 ANSWER_ERRORS = (RequestError, OSError, httpx.HTTPError)
@@ -192,7 +193,8 @@ class Loop:
         seeds = [secrets.randbits(63) for _ in range(self.task.benchmark.repetitions + 1)]
         try:
             samples, estimate, note = asyncio.run(
-                bench.compare(self.task, self.incumbent.server, server, self.s.vocab_size, seeds))
+                bench.compare(self.task, self.incumbent.server, server, self.s.vocab_size, seeds,
+                              on_sample=lambda sample: self.emit(SampleTaken(candidate=n, sample=sample))))
         except bench.WorkMismatch as exc:
             self.s.stop(server)
             raise Rejected("benchmark", str(exc)) from None

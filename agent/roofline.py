@@ -34,7 +34,7 @@ optimistic bound (perfect overlap, no scheduling gaps), so a measured throughput
 ``quarantine_ceiling`` (infinite batch, no shared-KV re-reads) is physically implausible:
 ``quarantine`` flags it and such a candidate must never be accepted.
 
-For Gemma 4 E2B (config in shared/models/gemma-4-e2b) and 1024 in / 256 out this gives
+For Gemma 4 E2B (config in tasks/models/gemma-4-e2b) and 1024 in / 256 out this gives
 4.08 GFLOP per total token (3.75 GFLOP of linear work per token, 0.81 GFLOP of LM head per
 output token, 0.17 GFLOP of attention per token on average); the issue's estimate was about 4.1.
 """

@@ -37,7 +37,8 @@ def prepare_model(task: Task) -> CheckpointInfo:
         return real_checkpoint(task.model.path)
     synthetic = task.model.synthetic
     return ensure_synthetic(synthetic.config, synthetic.seed, synthetic.logit_scale, task.model.dtype,
-                            final_norm_scale=synthetic.final_norm_scale, post_norm_scale=synthetic.post_norm_scale)
+                            final_norm_scale=synthetic.final_norm_scale, post_norm_scale=synthetic.post_norm_scale,
+                            embedding_norm_sigma=synthetic.embedding_norm_sigma)
 
 
 def prepare_checkout(task: Task) -> git.Repo:

@@ -29,6 +29,8 @@ class SyntheticModel(Strict):
     """Multiplies the final norm weight: scales every logit, widening top-1/top-2 margins."""
     post_norm_scale: float = Field(1.0, gt=0)
     """Multiplies the sub-layer post-norm weights."""
+    embedding_norm_sigma: float = Field(0.0, ge=0)
+    """Log-normal spread of the embedding rows' norms (0: HF init as is)."""
 
 
 class ModelSpec(Strict):

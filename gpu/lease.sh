@@ -38,7 +38,7 @@ case "${1:-}" in
     (cd $NS/repo && setsid nohup bash -c 'python3 -m agent.cli run "$@" > '$NS'/run.log 2>&1 < /dev/null & echo $! > '$NS'/run.pid;
         wait $!; echo "nightshift exit $?" >> '$NS'/run.log' _ "$TASK" --runs-dir $NS/runs --quiet "$@" > /dev/null 2>&1 &)
     if [ -n "${GRID:-}" ]; then  # margins of other checkpoint knobs, HF forward on the GPU, beside the run
-      (cd $NS/repo && setsid nohup bash -c "python3 gpu/make_model.py /tmp/g4 --config gpu/gemma-4-e2b-text.config.json \
+      (cd $NS/repo && setsid nohup bash -c "python3 gpu/make_model.py /tmp/g4 --config tasks/models/gemma-4-e2b/config.json \
           && python3 gpu/synth_ckpt.py /tmp/g4 /tmp/g4x --grid --no-save --report $NS/res/grid.json" \
           > $NS/res/grid.log 2>&1 < /dev/null &)
     fi

@@ -23,7 +23,7 @@ step() {
   wait_gpu_free
 }
 python3 -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)" > $R/versions.txt 2>&1
-step make_model python3 $G/make_model.py /tmp/g4 --config $G/gemma-4-e2b-text.config.json
+step make_model python3 $G/make_model.py /tmp/g4 --config $G/../tasks/models/gemma-4-e2b/config.json
 step synth python3 $G/synth_ckpt.py /tmp/g4 /tmp/g4s --target-median 1.5 --report $R/synth.json
 step off_plain python3 $G/offline.py /tmp/g4s $R/off_plain.json --mode plain --tp-prompts 1000 \
   --save-tokens $R/tok_plain.json --tag plain_defaults

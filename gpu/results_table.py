@@ -2,7 +2,7 @@
 """Turn a pipeline result folder (res/ inside the res.tgz that gpu/poll.sh brings back) into
 benchmarks/results/h200-gemma4-e2b.json and .md, with roofline fractions from agent/roofline.py.
 
-    python3 gpu/results_table.py RES_DIR [--config gpu/gemma-4-e2b-text.config.json] [--out benchmarks/results]
+    python3 gpu/results_table.py RES_DIR [--config tasks/models/gemma-4-e2b/config.json] [--out benchmarks/results]
 """
 import argparse
 import json
@@ -23,7 +23,7 @@ def load(d, f):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("res")
-    ap.add_argument("--config", default=os.path.join(HERE, "gemma-4-e2b-text.config.json"))
+    ap.add_argument("--config", default=os.path.join(HERE, "..", "tasks", "models", "gemma-4-e2b", "config.json"))
     ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "benchmarks", "results"))
     ap.add_argument("--device-seconds", type=float, default=None)
     a = ap.parse_args()

@@ -18,5 +18,8 @@ for line in (Path(sys.argv[1]) / "trace.jsonl").read_text().splitlines():
     fields = {k: event[k] for k in KEYS if event.get(k) not in (None, "", [], {})}
     if event.get("kind") == "benchmark":
         fields["samples"] = [(s["role"][0], round(s[event.get("metric", "total_tokens_per_s")])) for s in event["samples"]]
+    if event.get("kind") == "sample":
+        s = event["sample"]
+        fields["pass"] = f"{s['role']} rep {s['repetition']}: {s['total_tokens_per_s']:.0f} tok/s in {s['seconds']:.1f}s"
     text = json.dumps(fields, default=str)
     print(f"{when} {event.get('kind', '?'):<14} {text[:400]}")

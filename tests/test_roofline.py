@@ -11,8 +11,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from agent import roofline as rl  # noqa: E402
 
 E2B_PATHS = [
-    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "gemma-4-e2b-text.config.json"),
-    "/work/shared/models/gemma-4-e2b/config.json",
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tasks", "models", "gemma-4-e2b",
+                 "config.json"),
 ]
 
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,

@@ -124,6 +124,14 @@ class Liveness(BaseModel):
     imported_sha256: str
 
 
+class SampleTaken(Event):
+    """One timed pass, written as soon as it is measured: a run cut short keeps its measurements."""
+
+    kind: Literal["sample"] = "sample"
+    candidate: int
+    sample: Sample
+
+
 class BenchReport(Event):
     kind: Literal["benchmark"] = "benchmark"
     candidate: int
@@ -190,7 +198,7 @@ class RunFinished(Event):
 
 AnyEvent = Annotated[
     Union[
-        RunStarted, SelfParity, Proposal, PatchApplied, Build, ParityReport, BenchReport, Decision,
+        RunStarted, SelfParity, Proposal, PatchApplied, Build, ParityReport, SampleTaken, BenchReport, Decision,
         Commit, LlmCall, ProposalInvalid, RunFinished,
     ],
     Field(discriminator="kind"),
