@@ -79,6 +79,19 @@ HTTPServer(("127.0.0.1", port), Health).serve_forever()
 """
 
 
+CHAINS_BACK = """
+import importlib.util, os, sys
+os.environ["SHADOWED_SITE_RAN"] = str(int(os.environ.get("SHADOWED_SITE_RAN", "0")) + 1)
+here = os.path.dirname(os.path.abspath(__file__))
+for entry in list(sys.path):  # chains like an installer's sitecustomize: scans from the start
+    path = os.path.join(os.path.abspath(entry or "."), "sitecustomize.py")
+    if os.path.abspath(entry or ".") != here and os.path.isfile(path):
+        spec = importlib.util.spec_from_file_location("_chained", path)
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        break
+"""
+
+
 def fake_serve_tree(root: Path) -> Path:
     cli = root / "vllm" / "entrypoints" / "cli"
     cli.mkdir(parents=True)
@@ -93,7 +106,7 @@ def test_server_keeps_the_harness_path_after_the_tree_and_chains_sitecustomize(t
     """A vLLM installed on PYTHONPATH (with its own sitecustomize) stays usable behind the candidate tree."""
     site = tmp_path / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text("import os\nos.environ['SHADOWED_SITE_RAN'] = 'yes'\n")
+    (site / "sitecustomize.py").write_text(CHAINS_BACK)
     monkeypatch.setenv("PYTHONPATH", str(site))
     tree = fake_serve_tree(tmp_path / "tree")
     sandbox = LocalSandbox(None, tmp_path / "run")
@@ -103,7 +116,7 @@ def test_server_keeps_the_harness_path_after_the_tree_and_chains_sitecustomize(t
     finally:
         server.stop()
     assert seen["python_path"].split(os.pathsep) == [str(RECORDER), str(tree), str(site)]
-    assert seen["site_ran"] == "yes" and seen["gpus"] == "3"
+    assert seen["site_ran"] == "1" and seen["gpus"] == "3"  # once: no loop between the two files
     assert "vllm/patched.py" in server.imported_files()
 
 

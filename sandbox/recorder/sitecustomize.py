@@ -4,10 +4,12 @@ The harness hashes the files itself from the read-only tree; this only says whic
 import os
 import sys
 
+_first_load = not getattr(sys, "_nightshift_recorder_loaded", False)
+sys._nightshift_recorder_loaded = True
 _log_path = os.environ.get("NIGHTSHIFT_IMPORT_LOG")
 _root = os.environ.get("NIGHTSHIFT_SOURCE_TREE")
 
-if _log_path and _root:
+if _first_load and _log_path and _root:
     _root = os.path.realpath(_root) + os.sep
     _seen = set()
 
@@ -37,10 +39,13 @@ if _log_path and _root:
 
 
 def _run_next_sitecustomize():
-    """This file shadows any other sitecustomize.py; run the one Python would have found next."""
+    """This file shadows any other sitecustomize.py; run the one Python would have found next.
+    A chained file that chains back here (scanning sys.path from the start) finds this one done."""
     here = os.path.dirname(os.path.abspath(__file__))
-    for entry in sys.path:
-        if not entry or os.path.abspath(entry) == here:
+    entries = [os.path.abspath(e or ".") for e in sys.path]
+    start = entries.index(here) + 1 if here in entries else 0
+    for entry in entries[start:]:
+        if entry == here:
             continue
         shadowed = os.path.join(entry, "sitecustomize.py")
         if os.path.isfile(shadowed):
@@ -50,4 +55,5 @@ def _run_next_sitecustomize():
             return
 
 
-_run_next_sitecustomize()
+if _first_load:
+    _run_next_sitecustomize()
