@@ -15,7 +15,7 @@ import git
 import agent
 from agent.build import build
 from agent.checkout import create_checkout, default_checkout_path, installed_vllm, open_checkout, version_tag
-from agent.checkpoint import CheckpointInfo, ensure_synthetic, real_checkpoint
+from agent.checkpoint import CheckpointInfo, cache_root, ensure_synthetic, real_checkpoint
 from agent.task import Task
 from agent.workspace import Workspace
 from sandbox import make_sandbox
@@ -70,7 +70,8 @@ class RunSetup:
         self.sandbox.reap()
         self.servers: list[Server] = []
         self.baseline: Path | None = None
-        self.cache_seed = self.run_dir / "compile-cache"
+        self.cache_seed = cache_root() / "compile-caches" / f"vllm-{task.target.vllm_version}"
+        """Kept across runs: only servers of the unmodified vLLM (every run's baseline) export to it."""
         self._cache_lock = threading.Lock()
 
     def run_started(self) -> RunStarted:
@@ -91,7 +92,8 @@ class RunSetup:
 
     def start_server(self, name: str, tree: Path, args: dict, parity: bool = False) -> Server:
         """Start one server. Servers of the unmodified baseline tree export their compile caches,
-        which later servers start from; a candidate's caches are never exported."""
+        which later servers (of this run and later runs) start from; a candidate's caches are never
+        exported."""
         engine = self.task.engine
         env = {**engine.env, **(self.task.parity.env if parity else {})}
         args = {"dtype": self.task.model.dtype, "max_model_len": self.task.model.max_model_len, **args,

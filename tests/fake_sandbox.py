@@ -14,6 +14,7 @@ class FakeSandbox:
     def __init__(self, root: Path):
         self.root = root
         self.started: list[ServerSpec] = []
+        self.exported: list[str] = []
 
     def start(self, spec: ServerSpec) -> LocalServer:
         home = self.root / spec.name
@@ -28,6 +29,9 @@ class FakeSandbox:
         wait_healthy(server, 30)
         self.started.append(spec)
         return server
+
+    def export_cache(self, server: LocalServer, dest: Path) -> None:
+        self.exported.append(server.name)
 
     def reap(self) -> int:
         return 0

@@ -118,6 +118,7 @@ def test_dedicated_parity_servers_start_beside_the_production_ones(tmp_path, vll
     for name in ("baseline-perf", "candidate-1"):
         assert "VLLM_BATCH_INVARIANT" not in started[name].env and "attention_backend" not in started[name].engine_args
     assert setup.servers == []
+    assert sorted(setup.sandbox.exported) == ["baseline-2", "baseline-perf", "reference"]  # never a candidate's
     records = read_trace(setup.run_dir / "trace.jsonl")
     taken = [r.event.sample for r in records if r.event.kind == "sample"]
     report = next(r.event for r in records if r.event.kind == "benchmark")
