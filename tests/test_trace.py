@@ -37,41 +37,39 @@ def test_writer_resumes_the_chain(tmp_path):
     assert len(records) == 5 and records[4].prev_sha256 == hashes[-1]
 
 
-@pytest.mark.parametrize("line", [1, 2, 3, 4])
-def test_one_changed_byte_fails_at_its_line(tmp_path, line):
+def tampered(tmp_path, edit) -> TraceError:
+    """Write a trace, change its lines with `edit`, and return the error reading it raises."""
     path = tmp_path / "trace.jsonl"
     write(path)
     lines = path.read_bytes().split(b"\n")
-    target = lines[line - 1]
-    index = target.index(b'"time":') + 8
-    digit = target[index:index + 1]
-    lines[line - 1] = target[:index] + (b"9" if digit != b"9" else b"8") + target[index + 1:]
-    path.write_bytes(b"\n".join(lines))
+    path.write_bytes(b"\n".join(edit(lines)))
     with pytest.raises(TraceError) as err:
         read_trace(path)
-    assert err.value.line == line
+    return err.value
+
+
+@pytest.mark.parametrize("line", [1, 2, 3, 4])
+def test_one_changed_byte_fails_at_its_line(tmp_path, line):
+    def change_a_digit(lines):
+        target = lines[line - 1]
+        index = target.index(b'"time":') + 8
+        digit = target[index:index + 1]
+        lines[line - 1] = target[:index] + (b"9" if digit != b"9" else b"8") + target[index + 1:]
+        return lines
+
+    assert tampered(tmp_path, change_a_digit).line == line
 
 
 def test_changed_prev_hash_fails_at_its_line(tmp_path):
-    path = tmp_path / "trace.jsonl"
-    write(path)
-    data = path.read_bytes()
-    lines = data.split(b"\n")
-    lines[2] = lines[2].replace(b'"prev_sha256":"', b'"prev_sha256":"0', 1)
-    path.write_bytes(b"\n".join(lines))
-    with pytest.raises(TraceError) as err:
-        read_trace(path)
-    assert err.value.line == 3
+    def change_prev_hash(lines):
+        lines[2] = lines[2].replace(b'"prev_sha256":"', b'"prev_sha256":"0', 1)
+        return lines
+
+    assert tampered(tmp_path, change_prev_hash).line == 3
 
 
 def test_dropped_line_breaks_the_chain(tmp_path):
-    path = tmp_path / "trace.jsonl"
-    write(path)
-    lines = path.read_bytes().split(b"\n")
-    path.write_bytes(b"\n".join(lines[:1] + lines[2:]))
-    with pytest.raises(TraceError) as err:
-        read_trace(path)
-    assert err.value.line == 2
+    assert tampered(tmp_path, lambda lines: lines[:1] + lines[2:]).line == 2
 
 
 def test_torn_last_line_is_reported(tmp_path):
