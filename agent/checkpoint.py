@@ -97,7 +97,7 @@ def ensure_synthetic(config_path: Path, seed: int, logit_scale: float = 1.0, dty
 
 
 def init_device() -> str:
-    """A GPU when there is one (seconds for billions of parameters; a CPU takes many minutes)."""
+    """A GPU when there is one: HF initialisation of billions of parameters is far slower on a CPU."""
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"

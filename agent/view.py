@@ -11,7 +11,8 @@ from agent.task import Task
 
 STAGE_AFTER = {"run_started": "starting baseline servers", "self_parity": "self-parity checked",
                "proposal": "applying", "patch_applied": "building", "build": "starting server + parity",
-               "parity": "benchmarking", "sample": "benchmarking", "benchmark": "deciding", "decision": "decided", "commit": "committed",
+               "parity": "benchmarking", "sample": "benchmarking", "benchmark": "deciding", "decision": "decided",
+               "commit": "committed",
                "llm_call": "asking the LLM", "proposal_invalid": "proposal invalid", "run_finished": "finished"}
 
 

@@ -19,11 +19,10 @@ UNLIMITED = httpx.Limits(max_connections=None, max_keepalive_connections=None)
 """httpx pools 100 connections by default, which would silently cap the workload's concurrency."""
 
 
-
 @functools.cache
 def tls_context() -> ssl.SSLContext:
-    """Built once: every client would otherwise load the CA bundle again (~35 ms each), though the
-    servers speak plain HTTP on loopback or a Unix socket."""
+    """Built once: every client (a health probe each second, one per benchmark lane) would otherwise
+    load the CA bundle again (~35 ms each), though the servers speak plain HTTP."""
     return ssl.create_default_context()
 
 

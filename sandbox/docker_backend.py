@@ -19,7 +19,7 @@ import docker
 import httpx
 from docker.errors import DockerException, NotFound
 
-from sandbox.base import UNLIMITED, tls_context, Outcome, SandboxError, ServerSpec, answers_health
+from sandbox.base import UNLIMITED, Outcome, SandboxError, ServerSpec, answers_health, tls_context
 from sandbox.docker_spec import IMPORT_LOG_NAME, LABEL, SANDBOX_UID, SOCKET_NAME, container_spec, slug
 from sandbox.gpu_idle import gpu_memory_used_mib, wait_until_idle
 
@@ -113,7 +113,7 @@ class DockerServer:
                                  base_url="http://sandbox", timeout=timeout)
 
     def sync_client(self, timeout: float) -> httpx.Client:
-        return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)),
+        return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket), verify=tls_context()),
                             base_url="http://sandbox", timeout=timeout)
 
     def imported_files(self) -> list[str]:

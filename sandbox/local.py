@@ -14,7 +14,8 @@ from pathlib import Path
 
 import httpx
 
-from sandbox.base import UNLIMITED, tls_context, Outcome, SandboxError, ServerSpec, answers_health, clean_env, serve_argv
+from sandbox.base import (UNLIMITED, Outcome, SandboxError, ServerSpec, answers_health, clean_env, serve_argv,
+                          tls_context)
 
 RECORDER = Path(__file__).parent / "recorder"
 PASSED_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "LD_LIBRARY_PATH",
@@ -67,7 +68,7 @@ class LocalServer:
                                  verify=tls_context())
 
     def sync_client(self, timeout: float) -> httpx.Client:
-        return httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=timeout)
+        return httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=timeout, verify=tls_context())
 
     def imported_files(self) -> list[str]:
         if not self.import_log.exists():
