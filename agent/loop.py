@@ -17,6 +17,7 @@ import httpx
 from agent import bench, liveness
 from agent.build import BuildError, build
 from agent.parity import check_parity
+from agent.margins import served_margins
 from agent.proposers.base import Attempt, ProposalContext, Proposer, ProposerExhausted
 from agent.requests import RequestError, draw_prompts
 from agent.setup import RunSetup
@@ -97,9 +98,13 @@ class Loop:
         servers = self.s.start_servers(requests)
         self.reference, second = servers[0], servers[1]
         report = self.parity(0, second)
+        margins, margins_error = (served_margins(self.reference, self.task.parity, self.s.vocab_size,
+                                                  self.task.benchmark.request_timeout_s)
+                                   if report.ok else (None, ""))
         self.emit(SelfParity(ok=report.ok, prompts=report.prompts, regime=report.regime,
                              identical=report.prompts if report.ok else report.divergence.prompt_index,
-                             detail="" if report.ok else report.divergence.model_dump_json()))
+                             detail="" if report.ok else report.divergence.model_dump_json(),
+                             margins=margins, margins_error=margins_error))
         if not report.ok:
             raise SetupNotDeterministic(
                 f"two baseline servers disagree on prompt {report.divergence.prompt_index} at token "

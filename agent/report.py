@@ -7,7 +7,8 @@ from pathlib import Path
 from rich.table import Table
 
 from traces import read_trace
-from traces.schema import BenchReport, Commit, Decision, ParityReport, PatchApplied, Proposal, RunFinished
+from traces.schema import (BenchReport, Commit, Decision, ParityReport, PatchApplied, Proposal, RunFinished,
+                           SelfParity)
 
 
 def _by_candidate(records) -> dict[int, dict]:
@@ -36,8 +37,9 @@ def write_summary(run_dir: Path) -> str:
                      "ci": [bench.ci_low, bench.ci_high] if bench else None})
         if bench:
             measurements += [{"candidate": n, **s.model_dump()} for s in bench.samples]
+    self_parity = next((r.event for r in records if isinstance(r.event, SelfParity)), None)
     summary = {"run_id": records[0].event.run_id, "finished": finished.model_dump() if finished else None,
-               "candidates": rows}
+               "self_parity": self_parity.model_dump() if self_parity else None, "candidates": rows}
     if any(r.event.kind == "llm_call" for r in records):
         from agent.proposers.llm import llm_funnel
 

@@ -67,6 +67,8 @@ class Parity(Strict):
     max_tokens: int = Field(gt=0)
     regime: Literal["sequential", "one_batch"] = "sequential"
     """sequential: one request at a time on both sides, so batches are identical."""
+    margin_prompts: int = Field(16, ge=0)
+    """After self-parity, this many prompts (0: none) measure the reference's top-1/top-2 margins."""
     env: dict[str, str] = Field(default_factory=dict)
     args: dict[str, Scalar] = Field(default_factory=dict)
     """Extra env/args for the parity servers only (e.g. batch-invariant mode). When set, parity

@@ -7,6 +7,7 @@ import pytest
 from agent.audit import audit
 from agent.loop import Loop, SetupNotDeterministic
 from agent.proposers.queue import QueueProposer
+from agent.report import write_summary
 from agent.setup import RunSetup
 from agent.task import load_task, with_overrides
 from tests.fake_sandbox import FakeSandbox
@@ -81,6 +82,12 @@ def test_each_candidate_is_judged_at_the_right_stage(tmp_path, vllm_checkout):
     assert (got[9].verdict, got[9].stage) == ("crash", "parity") and "failed to answer" in got[9].reason
     assert finished.kept == 1 and finished.candidates == 9
     assert audit(setup.run_dir).commits == 1
+    self_parity = next(r.event for r in read_trace(setup.run_dir / "trace.jsonl") if r.event.kind == "self_parity")
+    margins = self_parity.margins  # the fake server's margins are spread over [0, 2) nats
+    assert margins["positions"] == 16 * 8 and 0.5 < margins["median"] < 1.5 and margins["p10"] < margins["p90"]
+    assert self_parity.margins_error == ""
+    write_summary(setup.run_dir)
+    assert json.loads((setup.run_dir / "summary.json").read_text())["self_parity"]["margins"] == margins
 
 
 def test_a_nondeterministic_setup_refuses_to_start(tmp_path, vllm_checkout):

@@ -49,6 +49,9 @@ class SelfParity(Event):
     identical: int
     regime: str
     detail: str = ""
+    margins: dict[str, float] | None = None
+    """Top-1 minus top-2 log-probability (nats) of the reference server's greedy steps."""
+    margins_error: str = ""
 
 
 class Proposal(Event):

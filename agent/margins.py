@@ -1,0 +1,65 @@
+"""Top-1 minus top-2 log-probability margins of the served model's greedy steps, as vLLM computes them.
+
+Small margins mean any change in reduction order can flip a token, so parity on such a model says
+little; the run records them next to the self-parity check."""
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+import httpx
+import numpy as np
+
+from agent.checkpoint import Margins
+from agent.requests import RequestError, draw_prompts
+from agent.task import Parity
+from sandbox.base import Server
+
+
+def margins_of(step_logprobs: list[dict[str, float]]) -> list[float]:
+    """One margin per generated position, from vLLM's `top_logprobs` (at least two entries each)."""
+    margins = []
+    for entries in step_logprobs:
+        values = sorted(entries.values(), reverse=True)
+        if len(values) < 2:
+            raise RequestError(f"expected two top logprobs per position, got {len(values)}")
+        margins.append(values[0] - values[1])
+    return margins
+
+
+def summarize(margins: list[float]) -> Margins:
+    values = np.asarray(margins, dtype=float)
+    p10, median, p90 = np.quantile(values, [0.1, 0.5, 0.9])
+    return Margins(median=round(float(median), 4), p10=round(float(p10), 4), p90=round(float(p90), 4),
+                   below_0_1=round(float((values < 0.1).mean()), 4), positions=int(values.size))
+
+
+async def greedy_margins(server: Server, prompts: list[list[int]], max_tokens: int, timeout_s: float) -> Margins:
+    """Greedy completions with the two most likely tokens per step; all prompts in flight at once."""
+    async def one(client, prompt: list[int]) -> list[float]:
+        body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "logprobs": 2, "return_tokens_as_token_ids": True, "seed": 0}
+        response = await client.post("/v1/completions", json=body)
+        if response.status_code != 200:
+            raise RequestError(f"HTTP {response.status_code}: {response.text[:500]}")
+        logprobs = response.json()["choices"][0].get("logprobs") or {}
+        steps = logprobs.get("top_logprobs") or []
+        if len(steps) != max_tokens:
+            raise RequestError(f"expected top logprobs for {max_tokens} positions, got {len(steps)}")
+        return margins_of(steps)
+
+    async with server.client(timeout_s) as client:
+        per_prompt = await asyncio.gather(*(one(client, prompt) for prompt in prompts))
+    return summarize([m for margins in per_prompt for m in margins])
+
+
+def served_margins(server: Server, parity: Parity, vocab_size: int, timeout_s: float) -> tuple[dict | None, str]:
+    """The task's margin measurement on `server`: (summary, "") or (None, why it could not be measured)."""
+    if not parity.margin_prompts:
+        return None, ""
+    prompts = draw_prompts(secrets.randbits(63), parity.margin_prompts, parity.input_len, vocab_size)
+    try:
+        margins = asyncio.run(greedy_margins(server, prompts, parity.max_tokens, timeout_s))
+    except (RequestError, OSError, httpx.HTTPError, KeyError, ValueError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    return margins.model_dump(), ""

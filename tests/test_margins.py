@@ -1,0 +1,20 @@
+import pytest
+
+from agent.margins import margins_of, summarize
+from agent.requests import RequestError
+
+
+def test_margin_is_top_one_minus_top_two_whatever_the_order():
+    steps = [{"token_id:7": -2.5, "token_id:9": -0.5}, {"token_id:3": -1.0, "token_id:4": -1.0, "token_id:5": -4.0}]
+    assert margins_of(steps) == [2.0, 0.0]
+
+
+def test_a_position_with_one_logprob_is_an_error():
+    with pytest.raises(RequestError, match="two top logprobs"):
+        margins_of([{"token_id:7": -0.1}])
+
+
+def test_summary_quantiles_and_share_below_a_tenth():
+    summary = summarize([i / 10 for i in range(11)])
+    assert (summary.median, summary.p10, summary.p90, summary.positions) == (0.5, 0.1, 0.9, 11)
+    assert summary.below_0_1 == round(1 / 11, 4)
