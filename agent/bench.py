@@ -7,7 +7,8 @@ from typing import Callable
 
 import numpy as np
 
-from agent.requests import complete_all, draw_prompts
+from agent.load import LoadClient
+from agent.requests import draw_prompts
 from agent.stats import SpeedupEstimate, estimate_speedup
 from agent.task import Task
 from sandbox.base import Server
@@ -16,6 +17,10 @@ from traces.schema import BenchReport, Sample
 
 class WorkMismatch(RuntimeError):
     """A server returned other work than was asked for (fewer tokens, or other tokens)."""
+
+
+class HarnessBound(RuntimeError):
+    """The load client was too busy during a pass for its clock to measure the server."""
 
 
 @dataclass
@@ -28,11 +33,11 @@ def _percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-async def timed_pass(server: Server, role: str, repetition: int, prompts: list[list[int]], output_len: int,
-                     concurrency: int | None, timeout_s: float) -> Pass:
-    started, cpu = time.perf_counter(), time.process_time()
-    completions = await complete_all(server, prompts, output_len, concurrency, timeout_s)
-    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+async def timed_pass(load: LoadClient, server: Server, role: str, repetition: int, prompts: list[list[int]],
+                     output_len: int, concurrency: int | None, timeout_s: float) -> Pass:
+    started = time.perf_counter()
+    result = await load.run(server.endpoint, prompts, output_len, concurrency, timeout_s)
+    seconds, completions = time.perf_counter() - started, result.completions
     outputs = [c.tokens for c in completions]
     short = [i for i, tokens in enumerate(outputs) if len(tokens) != output_len]
     if short:
@@ -46,23 +51,30 @@ async def timed_pass(server: Server, role: str, repetition: int, prompts: list[l
                     output_tokens=output_tokens, total_tokens_per_s=(input_tokens + output_tokens) / seconds,
                     output_tokens_per_s=output_tokens / seconds, ttft_ms_p50=_percentile(ttft, 50),
                     ttft_ms_p99=_percentile(ttft, 99), tpot_ms_p50=_percentile(tpot, 50),
-                    tpot_ms_p99=_percentile(tpot, 99), client_cpu_s=round(cpu, 3))
+                    tpot_ms_p99=_percentile(tpot, 99), client_cpu_s=round(result.cpu_s, 3),
+                    client_busy=round(result.busy, 3))
     return Pass(sample, outputs)
 
 
-async def warm_up(server: Server, task: Task, vocab_size: int, seed: int) -> None:
+async def warm_up(load: LoadClient, server: Server, task: Task, vocab_size: int, seed: int) -> None:
     if task.benchmark.warmup_requests:
         prompts = draw_prompts(seed, task.benchmark.warmup_requests, task.workload.input_len, vocab_size)
-        await complete_all(server, prompts, task.workload.output_len, task.workload.concurrency,
-                           task.benchmark.request_timeout_s)
+        await load.run(server.endpoint, prompts, task.workload.output_len, task.workload.concurrency,
+                       task.benchmark.request_timeout_s)
 
 
 async def compare(task: Task, incumbent: Server, candidate: Server, vocab_size: int, seeds: list[int],
                   on_sample: Callable[[Sample], None] = lambda s: None) -> tuple[list[Sample], SpeedupEstimate, str]:
     """Interleave incumbent and candidate (ABBA order) over fresh prompts for each repetition."""
+    with LoadClient(task.benchmark.client_processes) as load:
+        return await _compare(load, task, incumbent, candidate, vocab_size, seeds, on_sample)
+
+
+async def _compare(load: LoadClient, task: Task, incumbent: Server, candidate: Server, vocab_size: int,
+                   seeds: list[int], on_sample: Callable[[Sample], None]) -> tuple[list[Sample], SpeedupEstimate, str]:
     w, b = task.workload, task.benchmark
-    await warm_up(incumbent, task, vocab_size, seeds[0])
-    await warm_up(candidate, task, vocab_size, seeds[0])
+    await warm_up(load, incumbent, task, vocab_size, seeds[0])
+    await warm_up(load, candidate, task, vocab_size, seeds[0])
     samples: list[Sample] = []
     checked = 0
     for repetition, seed in enumerate(seeds[1:]):
@@ -72,10 +84,16 @@ async def compare(task: Task, incumbent: Server, candidate: Server, vocab_size: 
             order.reverse()
         passes = {}
         for role, server in order:
-            passes[role] = await timed_pass(server, role, repetition, prompts, w.output_len, w.concurrency,
+            passes[role] = await timed_pass(load, server, role, repetition, prompts, w.output_len, w.concurrency,
                                             b.request_timeout_s)
-            samples.append(passes[role].sample)
-            on_sample(passes[role].sample)
+            sample = passes[role].sample
+            samples.append(sample)
+            on_sample(sample)
+            if sample.client_busy > b.max_client_busy:
+                raise HarnessBound(
+                    f"{role} repetition {repetition}: a load client process was busy {sample.client_busy:.0%} of "
+                    f"the pass (limit {b.max_client_busy:.0%}), so the client, not the server, may have set the "
+                    f"pace; raise benchmark.client_processes (now {b.client_processes})")
         if b.check_tokens:
             if passes["candidate"].outputs != passes["incumbent"].outputs:
                 raise WorkMismatch(f"repetition {repetition}: benchmark tokens differ from the incumbent's")

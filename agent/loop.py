@@ -200,7 +200,7 @@ class Loop:
             samples, estimate, note = asyncio.run(
                 bench.compare(self.task, self.incumbent.server, server, self.s.vocab_size, seeds,
                               on_sample=lambda sample: self.emit(SampleTaken(candidate=n, sample=sample))))
-        except bench.WorkMismatch as exc:
+        except (bench.WorkMismatch, bench.HarnessBound) as exc:
             self.s.stop(server)
             raise Rejected("benchmark", str(exc)) from None
         except ANSWER_ERRORS as exc:

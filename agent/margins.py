@@ -11,9 +11,10 @@ import httpx
 import numpy as np
 
 from agent.checkpoint import Margins
+from agent.parity import ReferenceFailed
 from agent.requests import RequestError, draw_prompts
 from agent.task import Parity
-from sandbox.base import Server
+from sandbox.base import Server, answers_health
 
 
 def margins_of(step_logprobs: list[dict[str, float]]) -> list[float]:
@@ -61,5 +62,8 @@ def served_margins(server: Server, parity: Parity, vocab_size: int, timeout_s: f
     try:
         margins = asyncio.run(greedy_margins(server, prompts, parity.max_tokens, timeout_s))
     except (RequestError, OSError, httpx.HTTPError, KeyError, ValueError) as exc:
-        return None, f"{type(exc).__name__}: {exc}"
+        error = f"{type(exc).__name__}: {exc}"
+        if not answers_health(server):
+            raise ReferenceFailed(f"the reference server died while its margins were measured: {error}") from None
+        return None, error
     return margins.model_dump(), ""

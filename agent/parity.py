@@ -4,9 +4,15 @@ from __future__ import annotations
 import hashlib
 import json
 
-from agent.requests import Completion, complete_all
+import httpx
+
+from agent.requests import Completion, RequestError, complete_all
 from sandbox.base import Server
 from traces.schema import Divergence, ParityReport
+
+
+class ReferenceFailed(RuntimeError):
+    """The reference server stopped answering: no candidate can be judged, so the run stops."""
 
 
 def first_divergence(reference: list[list[int]], candidate: list[list[int]], expected_len: int) -> Divergence | None:
@@ -35,7 +41,10 @@ async def generate(server: Server, prompts: list[list[int]], max_tokens: int, re
 
 async def check_parity(candidate: int, reference: Server, subject: Server, prompts: list[list[int]],
                        max_tokens: int, regime: str, timeout_s: float) -> ParityReport:
-    expected = await generate(reference, prompts, max_tokens, regime, timeout_s)
+    try:
+        expected = await generate(reference, prompts, max_tokens, regime, timeout_s)
+    except (RequestError, OSError, httpx.HTTPError) as exc:
+        raise ReferenceFailed(f"the reference server failed to answer: {type(exc).__name__}: {exc}") from None
     wrong = next((len(tokens) for tokens in expected if len(tokens) != max_tokens), None)
     if wrong is not None:
         raise RuntimeError(f"reference server returned {wrong} tokens, not {max_tokens}")

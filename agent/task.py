@@ -82,6 +82,11 @@ class Benchmark(Strict):
     check_tokens: bool = False
     """Also require the benchmark's tokens to equal the incumbent's (only if batching is invariant)."""
     request_timeout_s: float = Field(300, gt=0)
+    client_processes: int = Field(1, ge=1)
+    """Processes the load client spreads its lanes over (each has its own event loop)."""
+    max_client_busy: float = Field(0.75, gt=0, le=1)
+    """A pass whose busiest client process was busier than this (CPU over wall time) is not trusted: the
+    benchmark is rejected. An event loop that busy on average is saturated at the pass's peak."""
     ceiling_tokens_per_s: float | None = Field(None, gt=0)
     """The roofline ceiling for the metric; a candidate measured above it is quarantined."""
 

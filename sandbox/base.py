@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import ssl
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -24,6 +25,22 @@ def tls_context() -> ssl.SSLContext:
     """Built once: every client (a health probe each second, one per benchmark lane) would otherwise
     load the CA bundle again (~35 ms each), though the servers speak plain HTTP."""
     return ssl.create_default_context()
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a server's HTTP API is: plain data, so load-generating processes can reach it too."""
+
+    base_url: str
+    uds: str | None = None
+
+    def client(self, timeout: float) -> httpx.AsyncClient:
+        transport = httpx.AsyncHTTPTransport(uds=self.uds, limits=UNLIMITED, verify=tls_context())
+        return httpx.AsyncClient(transport=transport, base_url=self.base_url, timeout=timeout)
+
+    def sync_client(self, timeout: float) -> httpx.Client:
+        transport = httpx.HTTPTransport(uds=self.uds, verify=tls_context())
+        return httpx.Client(transport=transport, base_url=self.base_url, timeout=timeout)
 
 
 SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL", "AUTH")
@@ -57,6 +74,7 @@ class SandboxError(RuntimeError):
 
 class Server(Protocol):
     name: str
+    endpoint: Endpoint
 
     def client(self, timeout: float) -> httpx.AsyncClient:
         """An HTTP client whose base URL reaches the server's OpenAI-compatible API."""

@@ -19,7 +19,7 @@ import docker
 import httpx
 from docker.errors import DockerException, NotFound
 
-from sandbox.base import UNLIMITED, Outcome, SandboxError, ServerSpec, answers_health, tls_context
+from sandbox.base import Endpoint, Outcome, SandboxError, ServerSpec, answers_health
 from sandbox.docker_spec import IMPORT_LOG_NAME, LABEL, SANDBOX_UID, SOCKET_NAME, container_spec, slug
 from sandbox.gpu_idle import gpu_memory_used_mib, wait_until_idle
 
@@ -104,17 +104,15 @@ class DockerServer:
         self.name, self.spec, self.container, self.io_dir = spec.name, spec, container, io_dir
         self.gpus, self.idle_mib = gpus, idle_mib
         self.socket = io_dir / SOCKET_NAME
+        self.endpoint = Endpoint("http://sandbox", uds=str(self.socket))
         self.gpu_idle: tuple[bool, str] | None = None
         self._final: tuple[Outcome, str, list[str]] | None = None
 
     def client(self, timeout: float) -> httpx.AsyncClient:
-        return httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=str(self.socket), limits=UNLIMITED,
-                                                                    verify=tls_context()),
-                                 base_url="http://sandbox", timeout=timeout)
+        return self.endpoint.client(timeout)
 
     def sync_client(self, timeout: float) -> httpx.Client:
-        return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket), verify=tls_context()),
-                            base_url="http://sandbox", timeout=timeout)
+        return self.endpoint.sync_client(timeout)
 
     def imported_files(self) -> list[str]:
         if self._final:

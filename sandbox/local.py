@@ -14,8 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from sandbox.base import (UNLIMITED, Outcome, SandboxError, ServerSpec, answers_health, clean_env, serve_argv,
-                          tls_context)
+from sandbox.base import Endpoint, Outcome, SandboxError, ServerSpec, answers_health, clean_env, serve_argv
 
 RECORDER = Path(__file__).parent / "recorder"
 PASSED_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "LD_LIBRARY_PATH",
@@ -63,12 +62,13 @@ class LocalServer:
         self.home, self.log, self.import_log = home, log, import_log
         self.tmp = tmp
 
+        self.endpoint = Endpoint(f"http://127.0.0.1:{port}")
+
     def client(self, timeout: float) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.port}", timeout=timeout, limits=UNLIMITED,
-                                 verify=tls_context())
+        return self.endpoint.client(timeout)
 
     def sync_client(self, timeout: float) -> httpx.Client:
-        return httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=timeout, verify=tls_context())
+        return self.endpoint.sync_client(timeout)
 
     def imported_files(self) -> list[str]:
         if not self.import_log.exists():

@@ -6,6 +6,7 @@ import pytest
 
 from agent.audit import audit
 from agent.loop import Loop, SetupNotDeterministic
+from agent.parity import ReferenceFailed
 from agent.proposers.queue import QueueProposer
 from agent.report import write_summary
 from agent.setup import RunSetup
@@ -35,7 +36,9 @@ def fake_task(checkout: Path, patches: Path, **overrides):
         edit_surface={"include": ["vllm/*"], "exclude": ["vllm/entrypoints/*"]},
         workload={"num_prompts": 8, "input_len": 16, "output_len": 16},
         parity={"num_prompts": 4, "input_len": 8, "max_tokens": 8, "regime": "sequential"},
-        benchmark={"warmup_requests": 2, "repetitions": 5, "request_timeout_s": 10},
+        # Passes of 8 short requests: the client's fixed costs per pass (event loop, connections) weigh more
+        # than in a real workload, so the busy limit is looser here; its own test sets it tight.
+        benchmark={"warmup_requests": 2, "repetitions": 5, "request_timeout_s": 10, "max_client_busy": 0.9},
         budget={"max_candidates": 10})
     return with_overrides(task, **{**sections, **overrides})
 
@@ -114,7 +117,9 @@ def test_dedicated_parity_servers_start_beside_the_production_ones(tmp_path, vll
     setup, loop = run(tmp_path, vllm_checkout,
                       {"1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster")},
                       parity={"num_prompts": 4, "input_len": 8, "max_tokens": 8, "regime": "one_batch",
-                              "env": {"VLLM_BATCH_INVARIANT": "1"}, "args": {"attention_backend": "TRITON_ATTN"}})
+                              "env": {"VLLM_BATCH_INVARIANT": "1"}, "args": {"attention_backend": "TRITON_ATTN"}},
+                      benchmark={"warmup_requests": 2, "repetitions": 5, "request_timeout_s": 10,
+                                 "max_client_busy": 0.9, "client_processes": 2})
     finished = loop.run()
     assert finished.kept == 1, decisions(setup)[1].reason
     started = {spec.name: spec for spec in setup.sandbox.started}
@@ -130,3 +135,36 @@ def test_dedicated_parity_servers_start_beside_the_production_ones(tmp_path, vll
     taken = [r.event.sample for r in records if r.event.kind == "sample"]
     report = next(r.event for r in records if r.event.kind == "benchmark")
     assert len(taken) == 10 and taken == report.samples  # each pass is on disk as soon as it is measured
+    assert all(0 < sample.client_busy <= 1 and sample.client_cpu_s > 0 for sample in taken)
+
+
+def test_a_pass_whose_client_was_too_busy_is_not_trusted(tmp_path, vllm_checkout):
+    setup, loop = run(tmp_path, vllm_checkout,
+                      {"1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster")},
+                      benchmark={"warmup_requests": 2, "repetitions": 5, "request_timeout_s": 10,
+                                 "max_client_busy": 0.001})
+    loop.run()
+    decision = decisions(setup)[1]
+    assert (decision.verdict, decision.stage) == ("discard", "benchmark")
+    assert "load client process was busy" in decision.reason and "client_processes" in decision.reason
+    taken = [r.event.sample for r in read_trace(setup.run_dir / "trace.jsonl") if r.event.kind == "sample"]
+    assert len(taken) == 1 and taken[0].client_busy > 0.001  # stopped at the first untrusted pass
+
+
+def test_a_reference_that_stops_answering_ends_the_run_without_blaming_the_candidate(tmp_path, vllm_checkout):
+    setup, loop = run(tmp_path, vllm_checkout,
+                      {"1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster")})
+    original_step = loop.step
+
+    def step_after_the_reference_died(n):
+        loop.reference.process.kill()
+        loop.reference.process.wait()
+        return original_step(n)
+
+    loop.step = step_after_the_reference_died
+    with pytest.raises(ReferenceFailed, match="reference server failed to answer"):
+        loop.run()
+    kinds = [r.event.kind for r in read_trace(setup.run_dir / "trace.jsonl")]
+    assert "decision" not in kinds and kinds[-1] == "run_finished"
+    assert read_trace(setup.run_dir / "trace.jsonl")[-1].event.reason.startswith("error: ReferenceFailed")
+    assert setup.servers == []

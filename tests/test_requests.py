@@ -2,10 +2,11 @@
 import asyncio
 import json
 
-import httpx
+import pytest
 
-from agent.requests import complete_all
-from sandbox.base import UNLIMITED, tls_context
+from agent.load import LoadClient
+from agent.requests import RequestError, complete_all
+from sandbox.base import Endpoint
 
 
 class CountingServer:
@@ -26,7 +27,8 @@ class CountingServer:
                 self.peak = max(self.peak, self.in_flight)
                 await asyncio.sleep(0.3)
                 self.in_flight -= 1
-                events = "".join(f'data: {json.dumps({"choices": [{"token_ids": [7 + i]}]})}\n\n'
+                first = body["prompt"][0] + 2
+                events = "".join(f'data: {json.dumps({"choices": [{"token_ids": [first + i]}]})}\n\n'
                                  for i in range(body["max_tokens"])) + "data: [DONE]\n\n"
                 payload = events.encode()
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
@@ -42,18 +44,40 @@ def test_more_than_a_default_pool_of_requests_are_in_flight():
         server = await asyncio.start_server(counting.handle, "127.0.0.1", 0, backlog=1024)
         port = server.sockets[0].getsockname()[1]
 
-        class Target:
-            def client(self, timeout):
-                return httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=timeout, limits=UNLIMITED,
-                                         verify=tls_context())
-
+        target = Endpoint(f"http://127.0.0.1:{port}")
         async with server:
-            many = await complete_all(Target(), [[5, 6]] * 300, 3, 150, 30)
+            many = await complete_all(target, [[5, 6]] * 300, 3, 150, 30)
             peak_many = counting.peak
             counting.peak = 0
-            one = await complete_all(Target(), [[5, 6]] * 5, 3, 1, 30)
+            one = await complete_all(target, [[5, 6]] * 5, 3, 1, 30)
         return many, peak_many, one, counting.peak
 
     many, peak_many, one, peak_one = asyncio.run(main())
     assert peak_many == 150 and peak_one == 1
     assert [c.tokens for c in many] == [[7, 8, 9]] * 300 and [c.tokens for c in one] == [[7, 8, 9]] * 5
+
+
+def test_load_over_several_processes_keeps_prompt_order_and_the_total_concurrency():
+    async def main():
+        counting = CountingServer()
+        server = await asyncio.start_server(counting.handle, "127.0.0.1", 0, backlog=1024)
+        target = Endpoint(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        async with server:
+            with LoadClient(3) as load:
+                result = await load.run(target, [[10 + i, 0] for i in range(40)], 3, 8, 30)
+        return result, counting.peak
+
+    result, peak = asyncio.run(main())
+    assert peak == 8  # lanes 3 + 3 + 2, never more
+    assert [c.tokens for c in result.completions] == [[12 + i, 13 + i, 14 + i] for i in range(40)]
+    assert all(c.ttft_ms >= 290 for c in result.completions)  # each process's clock, each request's own
+    assert 0 < result.busy < 0.5 and result.cpu_s > 0
+
+
+def test_a_failing_request_in_a_client_process_surfaces_as_a_request_error():
+    async def main():
+        with LoadClient(2) as load:
+            await load.run(Endpoint("http://127.0.0.1:9"), [[5, 6]] * 4, 2, 4, 5)
+
+    with pytest.raises(RequestError, match="ConnectError"):
+        asyncio.run(main())

@@ -117,7 +117,9 @@ class Sample(BaseModel):
     tpot_ms_p50: float | None = None
     tpot_ms_p99: float | None = None
     client_cpu_s: float | None = None
-    """CPU time the harness's client spent on the pass; near `seconds`, the client was the limit."""
+    """CPU time the harness's load client spent on the pass, all its processes together."""
+    client_busy: float | None = None
+    """The busiest client process's CPU time over its wall time; near 1, the client set the pace."""
 
 
 class Liveness(BaseModel):
