@@ -33,7 +33,7 @@ case "${1:-}" in
       bash /tmp/pl/p1/install.sh > $NS/install.log 2>&1 || { tail -20 $NS/install.log; exit 1; }
       tail -3 $NS/install.log
     fi
-    rm -rf $NS/repo && mkdir -p $NS/runs $NS/res && git ls-files -z | tar --null -T - -cf - | (mkdir -p $NS/repo && tar -xf - -C $NS/repo)
+    rm -rf $NS/repo && mkdir -p $NS/runs $NS/res && git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | (mkdir -p $NS/repo && tar -xf - -C $NS/repo)
     env_setup
     (cd $NS/repo && setsid nohup bash -c 'python3 -m agent.cli run "$@" > '$NS'/run.log 2>&1 < /dev/null & echo $! > '$NS'/run.pid;
         wait $!; echo "nightshift exit $?" >> '$NS'/run.log' _ "$TASK" --runs-dir $NS/runs --quiet "$@" > /dev/null 2>&1 &)
