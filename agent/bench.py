@@ -108,8 +108,9 @@ async def _compare(load: LoadClient, task: Task, incumbent: Server, candidate: S
     return samples, estimate, note
 
 
-def report(candidate: int, task: Task, samples: list[Sample], estimate: SpeedupEstimate, proof, note: str):
+def report(candidate: int, task: Task, samples: list[Sample], estimate: SpeedupEstimate, proof, note: str,
+           confirmation: int = 0):
     return BenchReport(candidate=candidate, metric=task.benchmark.metric, samples=samples,
                        speedup=estimate.speedup, ci_low=estimate.ci_low, ci_high=estimate.ci_high,
                        confidence=estimate.confidence, p_value=estimate.p_value, liveness=proof.liveness,
-                       output_check=note)
+                       output_check=note, confirmation=confirmation)

@@ -140,8 +140,11 @@ class Loop:
             except BuildError as exc:
                 raise Rejected("build", str(exc)) from None
             server = self.evaluate_parity(n, worktree, args)
-            bench_report = self.benchmark(n, server, worktree, files)
-            decision = self.decide(n, bench_report)
+            decision = self.decide(self.benchmark(n, server, worktree, files))
+            for confirmation in range(1, self.task.acceptance.confirmations + 1):
+                if decision.verdict != "keep":
+                    break
+                decision = self.decide(self.benchmark(n, server, worktree, files, confirmation))
         except Rejected as rejected:
             decision = Decision(candidate=n, verdict=rejected.verdict, stage=rejected.stage, reason=rejected.reason)
         decision_sha = self.emit(decision)
@@ -194,12 +197,12 @@ class Loop:
             self.s.stop(subject)
         return production
 
-    def benchmark(self, n: int, server: Server, worktree: Path, files: list[str]):
+    def benchmark(self, n: int, server: Server, worktree: Path, files: list[str], confirmation: int = 0):
         seeds = [secrets.randbits(63) for _ in range(self.task.benchmark.repetitions + 1)]
         try:
-            samples, estimate, note = asyncio.run(
-                bench.compare(self.task, self.incumbent.server, server, self.s.vocab_size, seeds,
-                              on_sample=lambda sample: self.emit(SampleTaken(candidate=n, sample=sample))))
+            samples, estimate, note = asyncio.run(bench.compare(
+                self.task, self.incumbent.server, server, self.s.vocab_size, seeds,
+                on_sample=lambda sample: self.emit(SampleTaken(candidate=n, sample=sample, confirmation=confirmation))))
         except (bench.WorkMismatch, bench.HarnessBound) as exc:
             self.s.stop(server)
             raise Rejected("benchmark", str(exc)) from None
@@ -207,7 +210,7 @@ class Loop:
             self.s.stop(server)
             raise Rejected("benchmark", f"request failed: {exc}", "crash") from None
         proof = liveness.check(server, worktree, files)
-        report = bench.report(n, self.task, samples, estimate, proof, note)
+        report = bench.report(n, self.task, samples, estimate, proof, note, confirmation)
         self.emit(report)
         if proof.missing:
             self.s.stop(server)
@@ -219,14 +222,17 @@ class Loop:
             raise Rejected("benchmark", f"quarantined: {fastest:.0f} tok/s exceeds the roofline ceiling {ceiling:.0f}")
         return report
 
-    def decide(self, n: int, report) -> Decision:
+    def decide(self, report) -> Decision:
         a = self.task.acceptance
         verdict = "keep" if report.ci_low > a.min_speedup else "discard"
         reason = (f"speedup {report.speedup:.3f}x, {a.confidence:.0%} interval [{report.ci_low:.3f}, "
                   f"{report.ci_high:.3f}], p={report.p_value:.4f} against {a.min_speedup}x")
-        return Decision(candidate=n, verdict=verdict, stage="decision", reason=reason if verdict == "keep"
-                        else f"not faster: {reason}", speedup=report.speedup, ci_low=report.ci_low,
-                        ci_high=report.ci_high)
+        if verdict != "keep":
+            reason = f"not faster: {reason}"
+        if report.confirmation:
+            reason = f"confirmation {report.confirmation} of {a.confirmations}: {reason}"
+        return Decision(candidate=report.candidate, verdict=verdict, stage="decision", reason=reason,
+                        speedup=report.speedup, ci_low=report.ci_low, ci_high=report.ci_high)
 
     def keep(self, n, proposal: Proposal, decision: Decision, decision_sha: str, worktree: Path,
              server: Server, args: dict) -> None:

@@ -94,6 +94,9 @@ class Benchmark(Strict):
 class Acceptance(Strict):
     min_speedup: float = Field(1.02, ge=1.0)
     confidence: float = Field(0.95, gt=0.5, lt=1.0)
+    confirmations: int = Field(0, ge=0)
+    """Independent benchmarks (fresh prompts, fresh warmup) a candidate that passed must also pass; the
+    last one's estimate, free of the selection that picked the candidate, is the one recorded."""
 
 
 class EditSurface(Strict):

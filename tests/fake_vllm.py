@@ -2,7 +2,8 @@
 
 Its behaviour comes from the source tree it is started on (the last of vllm/fake_mode*.json), so a queued
 patch can turn it into a faster, cheating or nondeterministic candidate:
-  exact   - tokens are a pure function of the prompt; `delay_s` per generated token
+  exact   - tokens are a pure function of the prompt; `delay_s` per generated token (`slow_delay_s`
+            once `slow_after` completions were served, if set)
   short   - like exact, but returns fewer tokens than asked when many requests are in flight
   random  - tokens differ on every call (not reproducible)
   crash   - exits at startup
@@ -23,7 +24,7 @@ config = json.loads(mode_files[-1].read_text()) if mode_files else {"mode": "exa
 if config["mode"] == "crash":
     sys.exit("fake_vllm: crashing at startup as configured")
 import_log.write_text("".join(f"{p.relative_to(tree)}\n" for p in [tree / "vllm" / "__init__.py", *mode_files]))
-in_flight = 0
+in_flight = served = 0
 lock = threading.Lock()
 
 
@@ -46,13 +47,17 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
 
     def do_POST(self):
-        global in_flight
+        global in_flight, served
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if config["mode"] == "hang":
             time.sleep(3600)
         with lock:
             in_flight += 1
+            served += 1
             crowded = in_flight > 2
+            delay_s = config.get("delay_s", 0.002)
+            if served > config.get("slow_after", served):
+                delay_s = config["slow_delay_s"]
         try:
             count = body["max_tokens"]
             if config["mode"] == "short" and crowded:
@@ -65,7 +70,7 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
             self.end_headers()
             for i in range(count):
-                time.sleep(config.get("delay_s", 0.002))
+                time.sleep(delay_s)
                 chunk = {"choices": [{"index": 0, "text": "", "token_ids": [next_token(body["prompt"], i)]}]}
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 self.wfile.flush()

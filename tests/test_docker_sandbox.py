@@ -355,7 +355,7 @@ def test_cpu_task_runs_end_to_end_in_containers(engine, tmp_path, vllm_checkout,
     assert [e.ok for e in records if e.kind == "self_parity"] == [True]
     [decision] = [e for e in records if e.kind == "decision"]
     assert decision.stage not in ("start", "parity", "liveness"), decision.reason
-    [bench] = [e for e in records if e.kind == "benchmark"]
+    bench = next(e for e in records if e.kind == "benchmark")
     assert bench.liveness.imported_vllm_modules > 100  # the import log crossed the socket folder
     assert finished.candidates == 1, kinds
     assert not engine.containers.list(all=True, filters={"label": f"nightshift.run={setup.run_dir.name}"})

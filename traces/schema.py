@@ -135,6 +135,7 @@ class SampleTaken(Event):
     kind: Literal["sample"] = "sample"
     candidate: int
     sample: Sample
+    confirmation: int = 0
 
 
 class BenchReport(Event):
@@ -149,6 +150,8 @@ class BenchReport(Event):
     p_value: float
     liveness: Liveness | None = None
     output_check: str
+    confirmation: int = 0
+    """0: the first benchmark; k: the k-th independent confirmation of a candidate that passed."""
 
 
 class Decision(Event):
