@@ -30,6 +30,15 @@ class Margins(BaseModel):
     below_0_1: float
     positions: int
 
+    @classmethod
+    def of(cls, margins) -> Margins:
+        import numpy as np
+
+        values = np.asarray(margins, dtype=float)
+        p10, median, p90 = np.quantile(values, [0.1, 0.5, 0.9])
+        return cls(median=round(float(median), 4), p10=round(float(p10), 4), p90=round(float(p90), 4),
+                   below_0_1=round(float((values < 0.1).mean()), 4), positions=int(values.size))
+
 
 class CheckpointInfo(BaseModel):
     path: Path
@@ -156,10 +165,7 @@ def measure_margins(model, vocab_size: int, seed: int, prompts: int = 4, length:
     with torch.no_grad():
         logits = model(input_ids=ids.to(model.device)).logits.float()
     top = torch.log_softmax(logits, dim=-1).topk(2, dim=-1).values
-    margins = (top[..., 0] - top[..., 1]).flatten().cpu()
-    q = torch.quantile(margins, torch.tensor([0.1, 0.5, 0.9]))
-    return Margins(median=round(float(q[1]), 4), p10=round(float(q[0]), 4), p90=round(float(q[2]), 4),
-                   below_0_1=round(float((margins < 0.1).float().mean()), 4), positions=margins.numel())
+    return Margins.of((top[..., 0] - top[..., 1]).flatten().cpu().numpy())
 
 
 def add_shared_kv_tensors(folder: Path) -> int:

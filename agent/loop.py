@@ -12,24 +12,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import httpx
-
 from agent import bench, liveness
 from agent.build import BuildError, build
-from agent.parity import check_parity
 from agent.margins import served_margins
+from agent.parity import check_parity
 from agent.proposers.base import Attempt, ProposalContext, Proposer, ProposerExhausted
-from agent.requests import RequestError, draw_prompts
+from agent.requests import ANSWER_ERRORS, draw_prompts
 from agent.setup import RunSetup
 from agent.surface import engine_args_violation, surface_violation
 from agent.workspace import ApplyError
 from sandbox.base import SandboxError, Server
 from traces.schema import (AnyEvent, Commit, Decision, PatchApplied, Proposal, RunFinished, SampleTaken, SelfParity,
                            Stage)
-
-
-ANSWER_ERRORS = (RequestError, OSError, httpx.HTTPError)
-"""How a candidate server can fail to answer: error status, dead process, timeout."""
 
 
 class Rejected(Exception):

@@ -7,12 +7,9 @@ from __future__ import annotations
 import asyncio
 import secrets
 
-import httpx
-import numpy as np
-
 from agent.checkpoint import Margins
 from agent.parity import ReferenceFailed
-from agent.requests import RequestError, draw_prompts
+from agent.requests import ANSWER_ERRORS, RequestError, draw_prompts
 from agent.task import Parity
 from sandbox.base import Server, answers_health
 
@@ -26,13 +23,6 @@ def margins_of(step_logprobs: list[dict[str, float]]) -> list[float]:
             raise RequestError(f"expected two top logprobs per position, got {len(values)}")
         margins.append(values[0] - values[1])
     return margins
-
-
-def summarize(margins: list[float]) -> Margins:
-    values = np.asarray(margins, dtype=float)
-    p10, median, p90 = np.quantile(values, [0.1, 0.5, 0.9])
-    return Margins(median=round(float(median), 4), p10=round(float(p10), 4), p90=round(float(p90), 4),
-                   below_0_1=round(float((values < 0.1).mean()), 4), positions=int(values.size))
 
 
 async def greedy_margins(server: Server, prompts: list[list[int]], max_tokens: int, timeout_s: float) -> Margins:
@@ -51,7 +41,7 @@ async def greedy_margins(server: Server, prompts: list[list[int]], max_tokens: i
 
     async with server.client(timeout_s) as client:
         per_prompt = await asyncio.gather(*(one(client, prompt) for prompt in prompts))
-    return summarize([m for margins in per_prompt for m in margins])
+    return Margins.of([m for margins in per_prompt for m in margins])
 
 
 def served_margins(server: Server, parity: Parity, vocab_size: int, timeout_s: float) -> tuple[dict | None, str]:
@@ -61,7 +51,7 @@ def served_margins(server: Server, parity: Parity, vocab_size: int, timeout_s: f
     prompts = draw_prompts(secrets.randbits(63), parity.margin_prompts, parity.input_len, vocab_size)
     try:
         margins = asyncio.run(greedy_margins(server, prompts, parity.max_tokens, timeout_s))
-    except (RequestError, OSError, httpx.HTTPError, KeyError, ValueError) as exc:
+    except (*ANSWER_ERRORS, KeyError, ValueError) as exc:
         error = f"{type(exc).__name__}: {exc}"
         if not answers_health(server):
             raise ReferenceFailed(f"the reference server died while its margins were measured: {error}") from None

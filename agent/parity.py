@@ -4,9 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-import httpx
-
-from agent.requests import Completion, RequestError, complete_all
+from agent.requests import ANSWER_ERRORS, Completion, complete_all
 from sandbox.base import Server
 from traces.schema import Divergence, ParityReport
 
@@ -43,7 +41,7 @@ async def check_parity(candidate: int, reference: Server, subject: Server, promp
                        max_tokens: int, regime: str, timeout_s: float) -> ParityReport:
     try:
         expected = await generate(reference, prompts, max_tokens, regime, timeout_s)
-    except (RequestError, OSError, httpx.HTTPError) as exc:
+    except ANSWER_ERRORS as exc:
         raise ReferenceFailed(f"the reference server failed to answer: {type(exc).__name__}: {exc}") from None
     wrong = next((len(tokens) for tokens in expected if len(tokens) != max_tokens), None)
     if wrong is not None:

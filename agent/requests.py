@@ -41,6 +41,10 @@ class RequestError(RuntimeError):
     pass
 
 
+ANSWER_ERRORS = (RequestError, OSError, httpx.HTTPError)
+"""How a server can fail to answer: error status, dead process, timeout."""
+
+
 def _body(prompt: list[int], max_tokens: int, model: str, stream: bool) -> dict:
     return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "return_token_ids": True, "stream": stream, "seed": 0}

@@ -61,7 +61,6 @@ class LocalServer:
         self.name, self.spec, self.process, self.port = spec.name, spec, process, port
         self.home, self.log, self.import_log = home, log, import_log
         self.tmp = tmp
-
         self.endpoint = Endpoint(f"http://127.0.0.1:{port}")
 
     def client(self, timeout: float) -> httpx.AsyncClient:

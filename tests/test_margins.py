@@ -1,6 +1,7 @@
 import pytest
 
-from agent.margins import margins_of, served_margins, summarize
+from agent.checkpoint import Margins
+from agent.margins import margins_of, served_margins
 from agent.parity import ReferenceFailed
 from agent.requests import RequestError
 from agent.task import Parity
@@ -18,7 +19,7 @@ def test_a_position_with_one_logprob_is_an_error():
 
 
 def test_summary_quantiles_and_share_below_a_tenth():
-    summary = summarize([i / 10 for i in range(11)])
+    summary = Margins.of([i / 10 for i in range(11)])
     assert (summary.median, summary.p10, summary.p90, summary.positions) == (0.5, 0.1, 0.9, 11)
     assert summary.below_0_1 == round(1 / 11, 4)
 
