@@ -1,6 +1,9 @@
 """Audit a finished (or crashed) run: the trace chain is intact and the branch is what it says."""
 from __future__ import annotations
 
+import shutil
+import tempfile
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -8,9 +11,21 @@ import git
 
 from agent.workspace import SERVE_FILE
 from traces import TraceError, read_trace
+from traces.errors import NightshiftError
 from traces.schema import Commit, Decision, PatchApplied, Record, RunStarted
 
 TRAILER = "Nightshift-Trace-Event:"
+BUNDLE = "branch.bundle"
+
+
+class RunNotFound(NightshiftError, FileNotFoundError):
+    stage = "audit"
+
+
+class BranchUnreadable(NightshiftError, RuntimeError):
+    """The run's checkout (or bundle) cannot be read: the run cannot be audited, nothing was tampered with."""
+
+    stage = "checkout"
 
 
 @dataclass
@@ -26,7 +41,7 @@ def resolve_run(run: str, runs_dir: Path) -> Path:
     for candidate in (path, Path(runs_dir) / run):
         if (candidate / "trace.jsonl").is_file():
             return candidate
-    raise FileNotFoundError(f"no run at {run} (looked for trace.jsonl there and in {runs_dir})")
+    raise RunNotFound(f"no run at {run} (looked for trace.jsonl there and in {runs_dir})")
 
 
 def audit(run_dir: Path) -> AuditResult:
@@ -37,10 +52,11 @@ def audit(run_dir: Path) -> AuditResult:
     commit_records = [r for r in records if isinstance(r.event, Commit)]
     _check_keeps_committed(records, commit_records)
     try:
-        repo = git.Repo(started.checkout)
+        repo = _open_repo(Path(run_dir), started)
         shas = repo.git.rev_list("--reverse", "--first-parent", f"{started.base_commit}..{started.branch}").split()
     except (git.GitError, git.NoSuchPathError) as exc:
-        raise TraceError(1, f"cannot read branch {started.branch} in {started.checkout}: {exc}") from None
+        where = Path(run_dir) / BUNDLE if (Path(run_dir) / BUNDLE).is_file() else started.checkout
+        raise BranchUnreadable(f"cannot read branch {started.branch} in {where}: {exc}") from None
     for index, record in enumerate(commit_records):
         event: Commit = record.event
         line = record.seq + 1
@@ -51,7 +67,7 @@ def audit(run_dir: Path) -> AuditResult:
         message = repo.commit(event.commit).message
         trailer = next((l.split(":", 1)[1].strip() for l in message.splitlines() if l.startswith(TRAILER)), "")
         if trailer != event.decision_sha256:
-            raise TraceError(line, f"commit {event.commit[:12]} carries trace event {trailer[:12] or 'none'}, "
+            raise TraceError(line, f"commit {event.commit[:12]} has trace event {trailer[:12] or 'none'}, "
                                    f"not {event.decision_sha256[:12]}")
         decision = by_sha.get(event.decision_sha256)
         if decision is None or not isinstance(decision.event, Decision) or decision.event.verdict != "keep" \
@@ -68,6 +84,19 @@ def audit(run_dir: Path) -> AuditResult:
     finished = records[-1].event.kind == "run_finished"
     notes = [] if finished else ["the run did not finish (no run_finished record): it crashed or is still running"]
     return AuditResult(records=len(records), commits=len(commit_records), finished=finished, notes=notes)
+
+
+def _open_repo(run_dir: Path, started: RunStarted) -> git.Repo:
+    """The run's checkout; for a packed run (`nightshift pack`), a temporary bare repo of its bundle."""
+    bundle = run_dir / BUNDLE
+    if not bundle.is_file():
+        return git.Repo(started.checkout)
+    folder = tempfile.mkdtemp(prefix="nightshift-bundle-")
+    repo = git.Repo.init(folder, bare=True)
+    weakref.finalize(repo, shutil.rmtree, folder, True)
+    repo.git.bundle("verify", str(bundle.resolve()))
+    repo.git.fetch("--quiet", str(bundle.resolve()), "+refs/*:refs/*")
+    return repo
 
 
 def _applied(records: list[Record], candidate: int) -> PatchApplied | None:

@@ -13,13 +13,14 @@ from pathlib import Path
 import git
 
 from agent.checkout import COMPILED_SUFFIXES, installed_vllm
+from traces.errors import NightshiftError
 from traces.schema import Build
 
 HASHED = py_compile.PycInvalidationMode.CHECKED_HASH
 
 
-class BuildError(RuntimeError):
-    pass
+class BuildError(NightshiftError, RuntimeError):
+    stage = "build"
 
 
 def link_compiled_parts(tree: Path) -> Path:
@@ -59,7 +60,10 @@ def share_bytecode(source: Path, tree: Path) -> int:
     return linked
 
 
-def build(candidate: int, worktree: Path, changed: list[str], bytecode_from: Path | None = None) -> Build:
+def build(candidate: int, worktree: Path, changed: list[str], bytecode_from: Path | None = None,
+          link: bool = True) -> Build:
+    """Compile the changed files, share or make bytecode, and (with `link`) link the installed vLLM's
+    compiled parts in; a tree of pure Python (a test's stand-in for vLLM) builds with link=False."""
     started = time.time()
     for rel in changed:
         path = worktree / rel
@@ -74,7 +78,7 @@ def build(candidate: int, worktree: Path, changed: list[str], bytecode_from: Pat
         share_bytecode(bytecode_from, worktree)
     else:
         precompile(worktree)
-    compiled_from = link_compiled_parts(worktree)
+    compiled_from = link_compiled_parts(worktree) if link else ""
     repo = git.Repo(worktree)
     repo.git.add("-A")
     tree = repo.git.write_tree()

@@ -8,13 +8,14 @@ from pathlib import Path
 import git
 
 from agent.checkpoint import cache_root
+from traces.errors import NightshiftError
 
 COMPILED_SUFFIXES = (".so", ".pyd", ".dylib")
 IGNORED = ["*.so", "*.pyd", "*.dylib", "__pycache__/", "*.pyc", "/*.dist-info/", "/.nightshift/"]
 
 
-class CheckoutError(RuntimeError):
-    pass
+class CheckoutError(NightshiftError, RuntimeError):
+    stage = "checkout"
 
 
 def installed_vllm() -> tuple[Path, str]:
@@ -74,4 +75,9 @@ def open_checkout(path: Path, version: str) -> git.Repo:
         raise CheckoutError(f"{path} has no tag {version_tag(version)}; it must match the installed vLLM")
     if not (Path(path) / "vllm" / "__init__.py").is_file():
         raise CheckoutError(f"{path} has no vllm/__init__.py at its root")
+    changed = [line[3:] for line in repo.git.status("--porcelain", "--untracked-files=no").splitlines()]
+    if changed:
+        raise CheckoutError(f"{path} has uncommitted changes ({', '.join(changed[:3])}"
+                            f"{', ...' if len(changed) > 3 else ''}); commit or discard them: a run starts "
+                            f"from tag {version_tag(version)} and would ignore them")
     return repo

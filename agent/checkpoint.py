@@ -14,11 +14,19 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from traces.errors import NightshiftError
+
 RECIPE = "hf-from-config-v1"
 KNOB_DEFAULTS = {"logit_scale": 1.0, "final_norm_scale": 1.0, "post_norm_scale": 1.0, "embedding_norm_sigma": 0.0}
 MANIFEST = "nightshift-checkpoint.json"
 SHARED_KV_SHARD = "model-shared-kv.safetensors"
 SPECIAL_TOKENS = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>"}
+
+
+class ModelError(NightshiftError, FileNotFoundError):
+    """The task's model folder or synthetic config is missing or unreadable."""
+
+    stage = "model"
 
 
 class Margins(BaseModel):
@@ -69,7 +77,7 @@ def weights_sha256(folder: Path) -> str:
 def real_checkpoint(folder: Path) -> CheckpointInfo:
     folder = Path(folder)
     if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"model folder {folder} has no config.json")
+        raise ModelError(f"model folder {folder} has no config.json")
     return CheckpointInfo(path=folder, sha256=weights_sha256(folder))
 
 
@@ -77,7 +85,10 @@ def ensure_synthetic(config_path: Path, seed: int, logit_scale: float = 1.0, dty
                      cache: Path | None = None, final_norm_scale: float = 1.0,
                      post_norm_scale: float = 1.0, embedding_norm_sigma: float = 0.0) -> CheckpointInfo:
     """Write the checkpoint once per (config, seed, knobs); later calls return the cached one."""
-    config = json.loads(Path(config_path).read_text())
+    try:
+        config = json.loads(Path(config_path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot read the synthetic model config {config_path}: {exc}") from None
     knobs = {"logit_scale": logit_scale, "final_norm_scale": final_norm_scale, "post_norm_scale": post_norm_scale,
              "embedding_norm_sigma": embedding_norm_sigma}
     device = init_device()

@@ -3,17 +3,35 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
+from typer.core import TyperGroup
 
-from agent.task import TaskError, load_task, with_overrides, with_settings
+from agent.task import load_task, with_overrides, with_settings
+from traces.errors import NightshiftError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+
+class Commands(TyperGroup):
+    """A NightshiftError (bad input, broken environment) is one red line and exit code 2; anything else is
+    a bug and keeps its traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except NightshiftError as exc:
+            fail(str(exc))
+
+
+app = typer.Typer(cls=Commands, add_completion=False, no_args_is_help=True,
                   help="Optimize vLLM serving unattended; keep only changes with identical greedy tokens.")
 console = Console()
+errors = Console(stderr=True, soft_wrap=True, highlight=False)
 DEFAULT_TASK = Path(__file__).resolve().parent.parent / "tasks" / "gemma4-tiny-cpu.yaml"
 
 
@@ -21,8 +39,8 @@ def _terminate(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def fail(message: str, code: int = 2) -> None:
-    console.print(f"[red]error:[/red] {message}")
+def fail(message: str, code: int = 2) -> NoReturn:
+    errors.print(f"[red]error:[/red] {escape(message)}")
     raise typer.Exit(code)
 
 
@@ -37,39 +55,73 @@ def run(
     settings: list[str] = typer.Option([], "--set", help="override a task field, e.g. --set workload.input_len=8192 "
                                        "(repeatable; values are YAML)"),
     quiet: bool = typer.Option(False, help="no live view"),
+    detach: bool = typer.Option(False, help="run in the background: print the run id and its log, return at once"),
+    run_id: Optional[str] = typer.Option(None, hidden=True),
 ):
     """Run an optimization task; ends with a branch nightshift/<run-id> and runs/<run-id>/."""
-    from agent.loop import Loop
+    from agent.preflight import check_run
     from agent.proposers import make_proposer
+    from agent.setup import RunSetup, new_run_id
+
+    task = with_settings(load_task(task_file), settings)
+    if proposer == "queue" or patches:
+        if not patches:
+            fail("--proposer queue needs --patches DIR")
+        task = with_overrides(task, proposer={"kind": "queue", "patches": str(patches.resolve())})
+    elif proposer and proposer != task.proposer.kind:
+        fail(f"the task has no configuration for proposer {proposer!r}; set it in the task file")
+    if max_candidates:
+        task = with_overrides(task, budget={"max_candidates": max_candidates})
+    if checkout:
+        task = with_overrides(task, target={"checkout": str(checkout.resolve())})
+    chosen = make_proposer(task)
+    if detach:
+        argv = ["run", str(task_file.resolve()), "--runs-dir", str(runs_dir.resolve())]
+        for flag, value in (("--proposer", proposer), ("--patches", patches and patches.resolve()),
+                            ("--max-candidates", max_candidates), ("--checkout", checkout and checkout.resolve())):
+            argv += [flag, str(value)] if value is not None else []
+        for setting in settings:
+            argv += ["--set", setting]
+        start_detached(argv, runs_dir, run_id or new_run_id())
+        return
+    check_run(task)
+    setup = RunSetup(task, runs_dir, run_id=run_id)
+    console.print(f"run [bold]{setup.run_id}[/bold] -> {setup.run_dir}  branch {setup.workspace.branch}")
+    run_loop(setup, chosen, quiet)
+
+
+def start_detached(argv: list[str], runs_dir: Path, run_id: str) -> None:
+    """`nightshift run ARGV --run-id RUN_ID --quiet` in its own session, output to <runs_dir>/<run-id>.log."""
+    runs_dir = runs_dir.resolve()
+    log = runs_dir / f"{run_id}.log"
+    if (runs_dir / run_id).exists() or log.exists():
+        fail(f"run {run_id} already exists in {runs_dir}")
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    with open(log, "xb") as out:
+        child = subprocess.Popen([sys.executable, "-m", "agent.cli", *argv, "--run-id", run_id, "--quiet"],
+                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+    console.print(f"run [bold]{run_id}[/bold] started in the background (pid {child.pid}); log {log}", soft_wrap=True)
+
+
+def run_loop(setup, proposer, quiet: bool) -> None:
+    from agent.loop import Loop
     from agent.report import write_summary
-    from agent.setup import RunSetup, SetupError
     from agent.view import LiveView
 
-    try:
-        task = with_settings(load_task(task_file), settings)
-        if proposer == "queue" or patches:
-            if not patches:
-                fail("--proposer queue needs --patches DIR")
-            task = with_overrides(task, proposer={"kind": "queue", "patches": str(patches.resolve())})
-        elif proposer and proposer != task.proposer.kind:
-            fail(f"the task has no configuration for proposer {proposer!r}; set it in the task file")
-        if max_candidates:
-            task = with_overrides(task, budget={"max_candidates": max_candidates})
-        if checkout:
-            task = with_overrides(task, target={"checkout": str(checkout.resolve())})
-        setup = RunSetup(task, runs_dir)
-        chosen = make_proposer(task)
-    except (TaskError, SetupError, FileNotFoundError, ValueError) as exc:
-        fail(str(exc))
-    console.print(f"run [bold]{setup.run_id}[/bold] -> {setup.run_dir}  branch {setup.workspace.branch}")
-    view = LiveView(task, console, enabled=not quiet)
+    trace = setup.run_dir / "trace.jsonl"
+    view = LiveView(setup.task, console, enabled=not quiet)
     signal.signal(signal.SIGTERM, _terminate)
     try:
         with view:
-            finished = Loop(setup, chosen, on_event=view.update).run()
-    except Exception as exc:
+            finished = Loop(setup, proposer, on_event=view.update).run()
+    except NightshiftError as exc:
         write_summary(setup.run_dir)
-        fail(f"run stopped: {type(exc).__name__}: {exc}\n(the trace up to here is in {setup.run_dir})", 1)
+        fail(f"run stopped at {exc.stage}: {exc} (the trace up to here: {trace})", 1)
+    except Exception:
+        write_summary(setup.run_dir)
+        errors.print(f"the run stopped on a bug (the trace up to here: {trace})")
+        raise
     summary = write_summary(setup.run_dir)
     console.print(summary)
     console.print(f"finished: {finished.reason}; kept {finished.kept} of {finished.candidates}; "
@@ -86,11 +138,7 @@ def review(run: str = typer.Argument(..., help="run folder or run id"),
     from agent.audit import resolve_run
     from agent.report import review_tables
 
-    try:
-        run_dir = resolve_run(run, runs_dir)
-    except FileNotFoundError as exc:
-        fail(str(exc))
-    for table in review_tables(run_dir):
+    for table in review_tables(resolve_run(run, runs_dir)):
         console.print(table)
 
 
@@ -103,13 +151,11 @@ def replay(run: str = typer.Argument(..., help="run folder or run id"),
     from agent.audit import audit, resolve_run
     from traces import TraceError
 
+    run_dir = resolve_run(run, runs_dir)
     try:
-        run_dir = resolve_run(run, runs_dir)
         result = audit(run_dir)
-    except FileNotFoundError as exc:
-        fail(str(exc))
     except TraceError as exc:
-        console.print(f"[red]audit failed[/red] at record {exc.line}: {exc}")
+        console.print(f"[red]audit failed[/red] at record {exc.line}: {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(1)
     console.print(f"[green]audit ok[/green]: {result.records} records, chain intact; "
                   f"{result.commits} commit(s) on the branch, each matching its keep decision")
@@ -123,6 +169,7 @@ def rerun_from_trace(run_dir: Path, runs_dir: Path) -> None:
     """The recorded task, with the LLM replaced by its recorded responses (a model like any other)."""
     from agent.loop import Loop
     from agent.models import ReplayModel
+    from agent.preflight import check_run
     from agent.proposers import make_proposer
     from agent.proposers.llm import LlmProposer
     from agent.setup import RunSetup
@@ -133,6 +180,7 @@ def rerun_from_trace(run_dir: Path, runs_dir: Path) -> None:
     task = parse_task(read_trace(trace)[0].event.task, f"{trace} (run_started.task)")
     proposer = (LlmProposer.from_task(task, model=ReplayModel.from_trace(trace)) if task.proposer.kind == "llm"
                 else make_proposer(task))
+    check_run(task)
     setup = RunSetup(task, runs_dir)
     console.print(f"rerun of {run_dir.name} as [bold]{setup.run_id}[/bold]")
     finished = Loop(setup, proposer).run()
@@ -142,23 +190,59 @@ def rerun_from_trace(run_dir: Path, runs_dir: Path) -> None:
 @app.command()
 def checkout(dest: Optional[Path] = typer.Option(None, help="where to create it (default: the cache)")):
     """Make a git repo of the installed vLLM's Python sources, tagged v<version>."""
-    from agent.checkout import CheckoutError, create_checkout
+    from agent.checkout import create_checkout
 
-    try:
-        path, version = create_checkout(dest)
-    except CheckoutError as exc:
-        fail(str(exc))
+    path, version = create_checkout(dest)
     console.print(json.dumps({"checkout": str(path), "vllm_version": version, "tag": f"v{version}"}))
 
 
 @app.command()
 def validate(task_file: Path):
     """Check a task file and print it resolved."""
+    console.print_json(load_task(task_file).model_dump_json())
+
+
+@app.command()
+def status(run: str = typer.Argument(..., help="run folder or run id"),
+           runs_dir: Path = typer.Option(Path("runs")),
+           as_json: bool = typer.Option(False, "--json", help="print the status as JSON")):
+    """A run's state from its trace, also while it runs. Exit code 0: finished; 3: not finished."""
+    from agent.audit import resolve_run
+    from agent.ops import run_status, status_table
+    from traces import TraceError
+
+    run_dir = resolve_run(run, runs_dir)
     try:
-        task = load_task(task_file)
-    except TaskError as exc:
-        fail(str(exc))
-    console.print_json(task.model_dump_json())
+        result = run_status(run_dir)
+    except TraceError as exc:
+        fail(f"the trace cannot be read: {exc}", 1)
+    if as_json:
+        print(result.model_dump_json(indent=2))
+    else:
+        console.print(status_table(result))
+    raise typer.Exit(0 if result.finished else 3)
+
+
+@app.command()
+def pack(run: str = typer.Argument(..., help="run folder or run id"),
+         dest: Path = typer.Argument(..., help="the .tgz to write"),
+         runs_dir: Path = typer.Option(Path("runs"))):
+    """Pack a run to audit elsewhere: trace, JSON files, log heads and tails, the branch as a git bundle.
+    Unpack it anywhere and `nightshift replay` the folder: no checkout needed."""
+    from rich.markup import escape
+
+    from agent.audit import resolve_run
+    from agent.ops import pack_run
+    from traces import TraceError
+
+    run_dir = resolve_run(run, runs_dir)
+    try:
+        manifest = pack_run(run_dir, dest)
+    except TraceError as exc:
+        fail(f"the trace cannot be read: {exc}", 1)
+    console.print(escape(f"packed {manifest['run_id']} -> {dest}: {manifest['records']} records, branch "
+                         f"{manifest['branch']} at {manifest['head_commit'][:12]}, {len(manifest['files'])} files"
+                         + ("" if manifest["finished"] else " (the run has not finished)")), soft_wrap=True)
 
 
 if __name__ == "__main__":

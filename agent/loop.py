@@ -1,7 +1,9 @@
 """The optimization loop, top to bottom.
 
-task -> Proposal -> PatchApplied -> Build -> ParityReport -> BenchReport -> Decision -> Commit
-Every arrow is one typed object (traces/schema.py) and one fsynced trace record.
+task -> Proposal -> PatchApplied -> Build -> ParityReport -> BenchReport -> TokenAudit -> Decision -> Commit
+Every arrow is one typed object (traces/schema.py) and one fsynced trace record. A candidate's
+worktree and servers belong to its Trial; the run's own servers (the reference, the incumbent)
+belong to the ServerPool, which stops each exactly once.
 """
 from __future__ import annotations
 
@@ -16,14 +18,20 @@ from agent import bench, liveness
 from agent.build import BuildError, build
 from agent.margins import served_margins
 from agent.parity import check_parity
+from agent.pool import ServerPool, ServerRequest
 from agent.proposers.base import Attempt, ProposalContext, Proposer, ProposerExhausted
 from agent.requests import ANSWER_ERRORS, draw_prompts
 from agent.setup import RunSetup
+from agent.stats import accepts
 from agent.surface import engine_args_violation, surface_violation
+from agent.token_audit import audit_passed, describe, run_audit, trailer
+from agent.trial import Trial
 from agent.workspace import ApplyError
-from sandbox.base import SandboxError, Server
-from traces.schema import (AnyEvent, Commit, Decision, PatchApplied, Proposal, RunFinished, SampleTaken, SelfParity,
-                           Stage)
+from sandbox import make_sandbox
+from sandbox.base import Sandbox, SandboxError, Server
+from traces.errors import NightshiftError
+from traces.schema import (AnyEvent, BenchReport, Commit, Decision, PatchApplied, Proposal, RunFinished, SampleTaken,
+                           SelfParity, Stage, TokenAudit)
 
 
 class Rejected(Exception):
@@ -32,8 +40,12 @@ class Rejected(Exception):
         self.stage, self.reason, self.verdict = stage, reason, verdict
 
 
-class SetupNotDeterministic(RuntimeError):
-    pass
+class SetupNotDeterministic(NightshiftError):
+    stage = "self_parity"
+
+
+class AuditNotCalibrated(NightshiftError):
+    stage = "audit"
 
 
 @dataclass
@@ -44,10 +56,12 @@ class Incumbent:
 
 
 class Loop:
-    def __init__(self, setup: RunSetup, proposer: Proposer, on_event: Callable[[AnyEvent], None] = lambda e: None):
+    def __init__(self, setup: RunSetup, proposer: Proposer, on_event: Callable[[AnyEvent], None] = lambda e: None,
+                 sandbox: Sandbox | None = None):
         self.s, self.task, self.proposer, self.on_event = setup, setup.task, proposer, on_event
+        self.pool = ServerPool(self.task, sandbox or make_sandbox(self.task.sandbox, setup.run_dir), setup.model.path,
+                               setup.run_id, setup.cache_seed)
         self.history: list[Attempt] = []
-        self.parity_digest = ""
         self.best_speedup, self.kept = 1.0, 0
         self.dedicated_parity = bool(self.task.parity.env or self.task.parity.args)
 
@@ -59,37 +73,38 @@ class Loop:
     def run(self) -> RunFinished:
         started, reason = time.time(), "budget: candidates"
         try:
-            self.start()
-            while len(self.history) < self.task.budget.max_candidates:
-                if time.time() - started > self.task.budget.wall_clock_s:
-                    reason = "budget: wall clock"
-                    break
-                try:
-                    self.step(len(self.history) + 1)
-                except ProposerExhausted as exc:
-                    fatal = getattr(exc, "kind", "") == "fatal"
-                    reason = f"{'proposer failed' if fatal else 'proposer exhausted'}: {exc}"
-                    break
+            with self.pool:
+                self.start()
+                while len(self.history) < self.task.budget.max_candidates:
+                    if time.time() - started > self.task.budget.wall_clock_s:
+                        reason = "budget: wall clock"
+                        break
+                    try:
+                        self.step(len(self.history) + 1)
+                    except ProposerExhausted as exc:
+                        reason = f"{'proposer failed' if exc.kind == 'fatal' else 'proposer exhausted'}: {exc}"
+                        break
         except BaseException as exc:
             reason = f"error: {type(exc).__name__}: {exc}"
             raise
         finally:
-            self.s.stop_servers()
             finished = RunFinished(reason=reason, candidates=len(self.history), kept=self.kept,
                                    best_speedup=self.best_speedup, head_commit=self.s.workspace.head(),
-                                   seconds=round(time.time() - started, 1),
-                                   spend_usd=float(getattr(self.proposer, "spend_usd", 0.0)))
+                                   seconds=round(time.time() - started, 1), spend_usd=float(self.proposer.spend_usd))
             self.emit(finished)
         return finished
 
     def start(self) -> None:
+        """The baseline phase: two independent baseline servers must agree (self-parity), the reference's
+        margins are measured, and the token audit's tolerance is checked on the baseline under load."""
         self.emit(self.s.run_started())
         tree = self.s.baseline_tree()
+        self.pool.trust(tree)
         args, dedicated = self.task.engine.args, self.dedicated_parity
-        requests = [("reference", tree, args, dedicated), ("baseline-2", tree, args, dedicated)]
+        requests = [ServerRequest("reference", tree, args, dedicated), ServerRequest("baseline-2", tree, args, dedicated)]
         if dedicated:
-            requests.append(("baseline-perf", tree, args, False))
-        servers = self.s.start_servers(requests)
+            requests.append(ServerRequest("baseline-perf", tree, args))
+        servers = self.pool.start(requests)
         self.reference, second = servers[0], servers[1]
         report = self.parity(0, second)
         margins, margins_error = (served_margins(self.reference, self.task.parity, self.s.vocab_size,
@@ -105,8 +120,24 @@ class Loop:
                 f"{report.divergence.position}: greedy output is not reproducible in this setup; "
                 "use a batch-invariant parity regime (parity.env / parity.args) or the sequential regime")
         if dedicated:
-            self.s.stop(second)
+            self.pool.release(second)
         self.incumbent = Incumbent(servers[-1], dict(args), tree)
+        self.calibrate_audit()
+
+    def calibrate_audit(self) -> None:
+        """The A/A: the baseline production server's own outputs under the benchmark load, audited."""
+        a = self.task.audit
+        if not a.enabled:
+            return
+        seeds = [secrets.randbits(63) for _ in range(a.calibration_passes + 1)]
+        passes = asyncio.run(bench.calibration_passes(self.task, self.incumbent.server, self.s.vocab_size, seeds))
+        bench.save_passes(self.s.run_dir / "outputs", "calibration", passes)
+        calibration = self.audit(0, [o for p in passes for o in p.requests()], calibration=True)
+        if not audit_passed(calibration):
+            raise AuditNotCalibrated(
+                f"the baseline's own outputs under the benchmark load fail the token audit ({describe(calibration)}): "
+                f"the reference and the production configuration disagree by more than audit.tolerance_nats; raise "
+                f"it above {calibration.deficits.max:.3f} only if that is a numerics difference you accept")
 
     def step(self, n: int) -> None:
         ctx = ProposalContext(task=self.task, candidate=n, checkout=self.incumbent.tree,
@@ -115,43 +146,45 @@ class Loop:
         proposal = self.proposer.propose(ctx)
         proposal.candidate = n
         self.emit(proposal)
-        server, worktree = None, None
         args = {**self.incumbent.args, **proposal.engine_args}
-        try:
-            violation = (surface_violation(proposal.patch, self.task.edit_surface)
-                         or engine_args_violation(args, self.task.engine.args, self.task.edit_surface.engine_args))
-            if violation:
-                raise Rejected("surface", violation)
-            worktree = self.s.workspace.worktree(f"candidate-{n}")
+        audits: list[TokenAudit] = []
+        with Trial(n, self.pool, self.s.workspace) as trial:
             try:
-                files = self.s.workspace.apply(worktree, proposal.patch)
-            except ApplyError as exc:
-                raise Rejected("apply", str(exc)) from None
-            self.emit(PatchApplied(candidate=n, worktree=str(worktree), parent_commit=self.s.workspace.head(),
-                                   files=files, engine_args=args))
-            try:
-                self.emit(build(n, worktree, files, bytecode_from=self.s.baseline))
-            except BuildError as exc:
-                raise Rejected("build", str(exc)) from None
-            server = self.evaluate_parity(n, worktree, args)
-            decision = self.decide(self.benchmark(n, server, worktree, files))
-            for confirmation in range(1, self.task.acceptance.confirmations + 1):
-                if decision.verdict != "keep":
-                    break
-                decision = self.decide(self.benchmark(n, server, worktree, files, confirmation))
-        except Rejected as rejected:
-            decision = Decision(candidate=n, verdict=rejected.verdict, stage=rejected.stage, reason=rejected.reason)
-        decision_sha = self.emit(decision)
-        if decision.verdict == "keep":
-            self.keep(n, proposal, decision, decision_sha, worktree, server, args)
-        else:
-            if server is not None:
-                self.s.stop(server)
-            if worktree is not None:
-                self.s.workspace.remove(worktree)
+                self.check_surface(proposal, args)
+                files = self.apply(trial, proposal, args)
+                self.build(n, trial.tree, files)
+                production, digest = self.check_parity(trial, args)
+                decision = self.evaluate(trial, production, files, audits)
+            except Rejected as rejected:
+                decision = Decision(candidate=n, verdict=rejected.verdict, stage=rejected.stage, reason=rejected.reason)
+            decision_sha = self.emit(decision)
+            if decision.verdict == "keep":
+                self.keep(proposal, decision, decision_sha, trial.hand_over(production), args, digest, audits)
         attempt = Attempt(proposal=proposal, decision=decision)
         self.history.append(attempt)
         self.proposer.observe(attempt)
+
+    def check_surface(self, proposal: Proposal, args: dict) -> None:
+        violation = (surface_violation(proposal.patch, self.task.edit_surface)
+                     or engine_args_violation(args, self.task.engine.args, self.task.edit_surface.engine_args))
+        if violation:
+            raise Rejected("surface", violation)
+
+    def apply(self, trial: Trial, proposal: Proposal, args: dict) -> list[str]:
+        tree = trial.worktree()
+        try:
+            files = self.s.workspace.apply(tree, proposal.patch)
+        except ApplyError as exc:
+            raise Rejected("apply", str(exc)) from None
+        self.emit(PatchApplied(candidate=trial.candidate, worktree=str(tree), parent_commit=self.s.workspace.head(),
+                               files=files, engine_args=args))
+        return files
+
+    def build(self, n: int, tree: Path, files: list[str]) -> None:
+        try:
+            self.emit(build(n, tree, files, bytecode_from=self.pool.trusted, link=self.s.linked))
+        except BuildError as exc:
+            raise Rejected("build", str(exc)) from None
 
     def parity(self, n: int, subject: Server):
         p = self.task.parity
@@ -159,66 +192,77 @@ class Loop:
         return asyncio.run(check_parity(n, self.reference, subject, prompts, p.max_tokens, p.regime,
                                         self.task.benchmark.request_timeout_s))
 
-    def evaluate_parity(self, n: int, worktree: Path, args: dict) -> Server:
-        """Parity on fresh prompts; returns the candidate's production server. With dedicated parity
-        servers (batch-invariant mode, say) the candidate's two servers start side by side."""
-        requests = [(f"candidate-{n}", worktree, args, False)]
+    def check_parity(self, trial: Trial, args: dict) -> tuple[Server, str]:
+        """Parity on fresh prompts; returns the candidate's production server and the parity digest. With
+        dedicated parity servers (batch-invariant mode, say) the candidate's two servers start side by side."""
+        n = trial.candidate
+        requests = [ServerRequest(f"candidate-{n}", trial.tree, args)]
         if self.dedicated_parity:
-            requests.insert(0, (f"candidate-{n}-parity", worktree, args, True))
+            requests.insert(0, ServerRequest(f"candidate-{n}-parity", trial.tree, args, parity=True))
         try:
-            servers = self.s.start_servers(requests)
+            servers = trial.start(requests)
         except SandboxError as exc:
             raise Rejected("start", f"{exc}; log tail: {exc.logs[-1500:]}", "crash") from None
         subject, production = servers[0], servers[-1]
-
-        def stop_all():
-            for server in servers:
-                self.s.stop(server)
-
         try:
             report = self.parity(n, subject)
         except ANSWER_ERRORS as exc:
-            stop_all()
             raise Rejected("parity", f"candidate failed to answer: {exc}", "crash") from None
         self.emit(report)
-        self.parity_digest = report.digest
         if not report.ok:
-            stop_all()
             d = report.divergence
             raise Rejected("parity", f"prompt {d.prompt_index} diverges at token {d.position}: expected "
                                      f"{d.expected}, got {d.got} ({d.got_len}/{d.expected_len} tokens)")
         if subject is not production:
-            self.s.stop(subject)
-        return production
+            trial.release(subject)
+        return production, report.digest
 
-    def benchmark(self, n: int, server: Server, worktree: Path, files: list[str], confirmation: int = 0):
+    def evaluate(self, trial: Trial, server: Server, files: list[str], audits: list[TokenAudit]) -> Decision:
+        """The benchmark, its token audit and the decision; then each confirmation, while it keeps passing."""
+        for confirmation in range(self.task.acceptance.confirmations + 1):
+            report, outputs = self.benchmark(trial, server, files, confirmation)
+            if self.task.audit.enabled:
+                audits.append(self.audit(trial.candidate, outputs, confirmation))
+                if not audit_passed(audits[-1]):
+                    raise Rejected("audit", describe(audits[-1]))
+            decision = self.decide(report)
+            if decision.verdict != "keep":
+                break
+        return decision
+
+    def benchmark(self, trial: Trial, server: Server, files: list[str], confirmation: int):
+        n = trial.candidate
         seeds = [secrets.randbits(63) for _ in range(self.task.benchmark.repetitions + 1)]
         try:
-            samples, estimate, note = asyncio.run(bench.compare(
+            result = asyncio.run(bench.compare(
                 self.task, self.incumbent.server, server, self.s.vocab_size, seeds,
                 on_sample=lambda sample: self.emit(SampleTaken(candidate=n, sample=sample, confirmation=confirmation))))
         except (bench.WorkMismatch, bench.HarnessBound) as exc:
-            self.s.stop(server)
             raise Rejected("benchmark", str(exc)) from None
         except ANSWER_ERRORS as exc:
-            self.s.stop(server)
             raise Rejected("benchmark", f"request failed: {exc}", "crash") from None
-        proof = liveness.check(server, worktree, files)
-        report = bench.report(n, self.task, samples, estimate, proof, note, confirmation)
+        bench.save_passes(self.s.run_dir / "outputs", f"candidate-{n}-{confirmation}", result.passes)
+        proof = liveness.check(server, trial.tree, files)
+        report = bench.report(n, self.task, result.samples, result.estimate, proof, result.note, confirmation)
         self.emit(report)
         if proof.missing:
-            self.s.stop(server)
             raise Rejected("liveness", f"patched files never imported by the server: {proof.missing}")
         ceiling = self.task.benchmark.ceiling_tokens_per_s
-        fastest = max(getattr(s, self.task.benchmark.metric) for s in samples if s.role == "candidate")
+        fastest = max(getattr(s, self.task.benchmark.metric) for s in result.samples if s.role == "candidate")
         if ceiling and fastest > ceiling:
-            self.s.stop(server)
             raise Rejected("benchmark", f"quarantined: {fastest:.0f} tok/s exceeds the roofline ceiling {ceiling:.0f}")
-        return report
+        return report, result.outputs("candidate")
 
-    def decide(self, report) -> Decision:
+    def audit(self, n: int, outputs, confirmation: int = 0, calibration: bool = False) -> TokenAudit:
+        a = self.task.audit
+        event = run_audit(n, self.reference, outputs, a.tolerance_nats, a.sample, a.concurrency,
+                          self.task.benchmark.request_timeout_s, confirmation, calibration)
+        self.emit(event)
+        return event
+
+    def decide(self, report: BenchReport) -> Decision:
         a = self.task.acceptance
-        verdict = "keep" if report.ci_low > a.min_speedup else "discard"
+        verdict = "keep" if accepts(report.ci_low, a.min_speedup) else "discard"
         reason = (f"speedup {report.speedup:.3f}x, {a.confidence:.0%} interval [{report.ci_low:.3f}, "
                   f"{report.ci_high:.3f}], p={report.p_value:.4f} against {a.min_speedup}x")
         if verdict != "keep":
@@ -228,19 +272,22 @@ class Loop:
         return Decision(candidate=report.candidate, verdict=verdict, stage="decision", reason=reason,
                         speedup=report.speedup, ci_low=report.ci_low, ci_high=report.ci_high)
 
-    def keep(self, n, proposal: Proposal, decision: Decision, decision_sha: str, worktree: Path,
-             server: Server, args: dict) -> None:
+    def keep(self, proposal: Proposal, decision: Decision, decision_sha: str, handed: tuple[Server, Path], args: dict,
+             parity_digest: str, audits: list[TokenAudit]) -> None:
+        n, (server, tree) = proposal.candidate, handed
         message = (f"nightshift: {proposal.summary}\n\nCandidate {n} of run {self.s.run_id}, "
                    f"proposed by {proposal.proposer}.\n\n"
                    f"Nightshift-Speedup: {decision.speedup:.4f}x [{decision.ci_low:.4f}, {decision.ci_high:.4f}] "
                    f"at {self.task.acceptance.confidence:.0%}\n"
-                   f"Nightshift-Parity: {self.parity_digest}\n"
-                   f"Nightshift-Trace-Event: {decision_sha}\n")
-        sha = self.s.workspace.commit(worktree, args, message)
+                   f"Nightshift-Parity: {parity_digest}\n"
+                   + (f"Nightshift-Audit: {trailer(audits)}\n" if audits else "")
+                   + f"Nightshift-Trace-Event: {decision_sha}\n")
+        sha = self.s.workspace.commit(tree, args, message)
         self.emit(Commit(candidate=n, branch=self.s.workspace.branch, commit=sha, decision_sha256=decision_sha))
-        if self.incumbent.server is not self.reference:
-            self.s.stop(self.incumbent.server)
-        self.incumbent = Incumbent(server, dict(args), worktree)
+        previous, self.incumbent = self.incumbent, Incumbent(server, dict(args), tree)
+        if previous.server is not self.reference:
+            self.pool.release(previous.server)
+        if previous.tree != self.pool.trusted:
+            self.s.workspace.remove(previous.tree)
         self.kept += 1
         self.best_speedup *= decision.speedup
-

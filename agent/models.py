@@ -11,7 +11,6 @@
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -19,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
 
-from agent.proposers.base import ProposerExhausted
 from traces.schema import LlmCall
 
 Messages = list[dict[str, Any]]
@@ -53,16 +51,10 @@ class LlmRequestError(LlmError):
     kind = "request"
 
 
-class LlmFatalError(ProposerExhausted, LlmError):
-    """The LLM can not be used at all in this run (bad key, unknown model): stop with this message.
-
-    It is a ProposerExhausted, so a loop that knows nothing about LLMs still stops cleanly
-    with the message as its reason; a loop that does can catch it first and exit non-zero."""
+class LlmFatalError(LlmError):
+    """The LLM can not be used at all in this run (bad key, unknown model): stop with this message."""
 
     kind = "fatal"
-
-    def __init__(self, message: str, status: int | None = None):
-        LlmError.__init__(self, message, status)
 
 
 class LlmAuthError(LlmFatalError):
@@ -71,8 +63,9 @@ class LlmAuthError(LlmFatalError):
     kind = "auth"
 
 
-class ReplayExhausted(ProposerExhausted):
-    """The recorded run had no more LLM calls."""
+class ReplayExhausted(Exception):
+    """The recorded run (or the fake model's script) had no more LLM calls. Not an LlmError: it is
+    no failed call, and nothing records or retries it."""
 
 
 _ERROR_KINDS: dict[str, type[LlmError]] = {
@@ -350,10 +343,6 @@ class FakeModel:
                             f"<<<<<<< SEARCH\n{line}\n=======\n{line}\n# nightshift fake model note {index + 1}\n"
                             f">>>>>>> REPLACE\n")
         return "I have no file to edit."
-
-
-def dump_messages(messages: Messages) -> str:
-    return json.dumps(messages, indent=1)[:2000]
 
 
 def complete_with_retries(model: Model, messages: Messages, *, temperature: float, max_tokens: int,

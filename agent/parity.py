@@ -6,11 +6,14 @@ import json
 
 from agent.requests import ANSWER_ERRORS, Completion, complete_all
 from sandbox.base import Server
+from traces.errors import NightshiftError
 from traces.schema import Divergence, ParityReport
 
 
-class ReferenceFailed(RuntimeError):
+class ReferenceFailed(NightshiftError, RuntimeError):
     """The reference server stopped answering: no candidate can be judged, so the run stops."""
+
+    stage = "parity"
 
 
 def first_divergence(reference: list[list[int]], candidate: list[list[int]], expected_len: int) -> Divergence | None:

@@ -22,6 +22,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from traces.errors import NightshiftError
+
 
 class HotFunction(BaseModel):
     file: str
@@ -82,8 +84,8 @@ class Profile(BaseModel):
         return "\n".join(lines)
 
 
-class ProfileError(RuntimeError):
-    pass
+class ProfileError(NightshiftError, RuntimeError):
+    stage = "profile"
 
 
 def _key(payload: dict[str, Any]) -> str:

@@ -41,7 +41,7 @@ def write_summary(run_dir: Path) -> str:
     summary = {"run_id": records[0].event.run_id, "finished": finished.model_dump() if finished else None,
                "self_parity": self_parity.model_dump() if self_parity else None, "candidates": rows}
     if any(r.event.kind == "llm_call" for r in records):
-        from agent.proposers.llm import llm_funnel
+        from agent.proposers.funnel import llm_funnel
 
         summary["llm"] = llm_funnel([r.event for r in records])
     (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))

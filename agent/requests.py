@@ -45,6 +45,12 @@ ANSWER_ERRORS = (RequestError, OSError, httpx.HTTPError)
 """How a server can fail to answer: error status, dead process, timeout."""
 
 
+def completion_body(prompt: list[int], max_tokens: int, *, stream: bool = False, model: str = "model",
+                    **extra) -> dict:
+    """The greedy completion request every check sends (extra keys, e.g. prompt_logprobs, last)."""
+    return {**_body(prompt, max_tokens, model, stream), **extra}
+
+
 def _body(prompt: list[int], max_tokens: int, model: str, stream: bool) -> dict:
     return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "return_token_ids": True, "stream": stream, "seed": 0}

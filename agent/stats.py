@@ -18,6 +18,11 @@ class SpeedupEstimate(BaseModel):
     accepted: bool
 
 
+def accepts(ci_low: float, min_speedup: float) -> bool:
+    """The acceptance rule: the whole interval lies above min_speedup."""
+    return ci_low > min_speedup
+
+
 def estimate_speedup(candidate: list[float], incumbent: list[float], min_speedup: float,
                      confidence: float) -> SpeedupEstimate:
     """Geometric-mean speedup of paired repetitions with a t-interval on the log ratios.
@@ -38,4 +43,4 @@ def estimate_speedup(candidate: list[float], incumbent: list[float], min_speedup
         sem = float(stats.sem(logs))
         low, high = stats.t.interval(confidence, len(logs) - 1, loc=mean, scale=sem)
     return SpeedupEstimate(speedup=math.exp(mean), ci_low=math.exp(low), ci_high=math.exp(high),
-                           confidence=confidence, p_value=p_value, accepted=math.exp(low) > min_speedup)
+                           confidence=confidence, p_value=p_value, accepted=accepts(math.exp(low), min_speedup))

@@ -20,6 +20,15 @@ def patch_paths(patch: str) -> list[str]:
     return sorted(paths)
 
 
+def matches(path: str, globs: list[str]) -> bool:
+    """fnmatch globs over paths relative to the checkout root (`*` also matches `/`)."""
+    return any(fnmatch.fnmatchcase(path, g) for g in globs)
+
+
+def surface_allows(path: str, include: list[str], exclude: list[str]) -> bool:
+    return matches(path, include) and not matches(path, exclude)
+
+
 def surface_violation(patch: str, surface: EditSurface) -> str | None:
     """Why this patch may not be applied, or None."""
     if not patch.strip():
@@ -32,9 +41,9 @@ def surface_violation(patch: str, surface: EditSurface) -> str | None:
     for path in paths:
         if path.startswith("/") or ".." in path.split("/"):
             return f"{path}: paths must stay inside the checkout"
-        if not any(fnmatch.fnmatch(path, g) for g in surface.include):
+        if not matches(path, surface.include):
             return f"{path} is outside the edit surface ({', '.join(surface.include)})"
-        if any(fnmatch.fnmatch(path, g) for g in surface.exclude):
+        if matches(path, surface.exclude):
             return f"{path} is excluded from the edit surface"
     return None
 

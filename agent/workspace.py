@@ -7,12 +7,14 @@ from pathlib import Path
 import git
 import yaml
 
+from traces.errors import NightshiftError
+
 SERVE_FILE = "nightshift.serve.yaml"
 EXCLUDES = ["*.so", "*.pyd", "/vllm-*.dist-info/", "/.nightshift/", "__pycache__/"]
 
 
-class ApplyError(RuntimeError):
-    pass
+class ApplyError(NightshiftError, RuntimeError):
+    stage = "apply"
 
 
 class Workspace:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One offline vLLM engine: throughput (like `vllm bench throughput`) + greedy parity probe.
 
-    PYTHONPATH=/tmp/site python3 offline.py MODEL_DIR OUT.json [--mode plain|bi] [--tp-prompts 1000]
+    python3 gpu/offline.py MODEL_DIR OUT.json [--mode plain|bi] [--tp-prompts 1000]
         [--input-len 1024] [--output-len 256] [--engine-args JSON] [--save-tokens F] [--compare-tokens F]
 
 Engine: LLM(model, dtype=bfloat16, max_model_len=2048, seed=0, **engine_args), everything else at

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Turn a pipeline result folder (res/ inside the res.tgz that gpu/poll.sh brings back) into
-benchmarks/results/h200-gemma4-e2b.json and .md, with roofline fractions from agent/roofline.py.
+"""Turn a result folder of the baseline measurements (benchmarks/README.md) into
+benchmarks/results/h200-gemma4-e2b.json, with roofline fractions from agent/roofline.py.
 
     python3 gpu/results_table.py RES_DIR [--config tasks/models/gemma-4-e2b/config.json] [--out benchmarks/results]
+        [--gpu-seconds S]
 """
 import argparse
 import json
@@ -25,7 +26,7 @@ def main():
     ap.add_argument("res")
     ap.add_argument("--config", default=os.path.join(HERE, "..", "tasks", "models", "gemma-4-e2b", "config.json"))
     ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "benchmarks", "results"))
-    ap.add_argument("--device-seconds", type=float, default=None)
+    ap.add_argument("--gpu-seconds", type=float, default=None, help="GPU time the measurements took, recorded as is")
     a = ap.parse_args()
     cfg = json.load(open(a.config))
     c = load(a.res, "ceilings.json")
@@ -42,7 +43,7 @@ def main():
                         "ceiling_output_tok_s_infinite_batch": inf["output_tokens_per_s"],
                         "bound_infinite_batch": inf["bound"],
                         "quarantine_ceiling_total_tok_s": rl.quarantine_ceiling(cfg, ceil, I, O)},
-           "device_seconds_used": a.device_seconds}
+           "gpu_seconds_used": a.gpu_seconds}
     s = load(a.res, "synth.json")
     if s:
         out["synthetic_checkpoint"] = {k: s.get(k) for k in ("seed", "params", "knobs", "sha256", "seconds",

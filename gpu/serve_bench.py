@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`vllm serve` measurements: stock concurrency sweep, serving-path diagnosis, interleaved flags search.
 
-    PYTHONPATH=/tmp/site python3 serve_bench.py MODEL_DIR RESULT_DIR [--phase stock|flags|all]
+    python3 gpu/serve_bench.py MODEL_DIR RESULT_DIR [--phase stock|flags|all]
         [--util 0.3] [--reps 3] [--flags-conc 256] [--flags-prompts 384]
 
 Servers: `python3 -m vllm.entrypoints.cli.main serve MODEL --dtype bfloat16 --max-model-len 2048

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Print a short table of whatever results exist in RESULT_DIR (run on the GPU machine or here)."""
+"""Print a short table of whatever results exist in RESULT_DIR (while the measurements run, or after)."""
 import json
 import os
 import sys

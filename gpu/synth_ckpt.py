@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Write a seeded, margin-calibrated random-weight Gemma 4 checkpoint that vLLM 0.26 loads.
 
-    PYTHONPATH=/tmp/site python3 synth_ckpt.py MODEL_DIR OUT_DIR [--seed 0] [--emb-sigma 0.5]
+    python3 gpu/synth_ckpt.py MODEL_DIR OUT_DIR [--seed 0] [--emb-sigma 0.5]
         [--norm-scale 2.0] [--grid] [--report OUT.json]
 
-Recipe (same idea as agent/checkpoint.py, kept self-contained for the GPU machine):
+Recipe (same idea as agent/checkpoint.py, self-contained: it needs only torch and transformers):
   1. transformers AutoModelForCausalLM.from_config(config) under torch.manual_seed(seed), bf16.
   2. Margin calibration, two documented knobs (both deterministic from the seed):
      - emb_sigma s: each row i of the (tied) token embedding is multiplied by
@@ -31,7 +31,8 @@ Recipe (same idea as agent/checkpoint.py, kept self-contained for the GPU machin
   4. A sha256 over the safetensors files (sorted names) identifies the checkpoint.
 Margins: teacher-forced top1-top2 log-prob gaps at every position of seeded random token-id
 prompts (<bos> + ids), computed with the HF model in bf16 (--grid also reports a small grid of
-(s, a) without rebuilding the model). Run with the payload's transformers 5.14.1.
+(s, a) without rebuilding the model). Run with transformers 5.14.1: 5.15 and later write a
+config.json that vLLM 0.26 cannot read.
 """
 import argparse
 import hashlib
@@ -210,7 +211,7 @@ def main():
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     if (major, minor) >= (5, 15):
         print(f"WARNING: transformers {transformers.__version__} writes a config.json that vLLM 0.26 "
-              "cannot read; use the payload's 5.14.1 (PYTHONPATH=/tmp/site)")
+              "cannot read; use 5.14.1")
     t = time.time()
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg = AutoConfig.from_pretrained(a.model_dir)

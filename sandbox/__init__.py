@@ -1,7 +1,8 @@
 from sandbox.base import Outcome, Sandbox, SandboxError, Server, ServerSpec
+from sandbox.config import SandboxConfig
 
 
-def make_sandbox(config, run_dir):
+def make_sandbox(config: SandboxConfig, run_dir) -> Sandbox:
     """The backend a task's `sandbox` section asks for."""
     if config.backend == "docker":
         from sandbox.docker_backend import DockerSandbox
@@ -12,4 +13,4 @@ def make_sandbox(config, run_dir):
     return LocalSandbox(config, run_dir)
 
 
-__all__ = ["Outcome", "Sandbox", "SandboxError", "Server", "ServerSpec", "make_sandbox"]
+__all__ = ["Outcome", "Sandbox", "SandboxConfig", "SandboxError", "Server", "ServerSpec", "make_sandbox"]

@@ -6,13 +6,17 @@ clock, the prompts and the reference outputs stay on the harness side.
 from __future__ import annotations
 
 import functools
+import re
 import ssl
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Mapping, Protocol
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
+
+from traces.errors import NightshiftError
 
 Outcome = Literal["ok", "timeout", "oom", "crash"]
 
@@ -65,15 +69,34 @@ class ServerSpec(BaseModel):
     server never writes to another server's caches, and a candidate's are never exported."""
 
 
-class SandboxError(RuntimeError):
+class SandboxError(NightshiftError, RuntimeError):
+    stage = "start"
+
     def __init__(self, outcome: Outcome, message: str, logs: str = ""):
         super().__init__(f"{outcome}: {message}")
         self.outcome = outcome
         self.logs = logs
 
 
+ERROR_LINE = re.compile(r"Error|Exception|error:")
+
+
+def last_error_line(logs: str, limit: int = 300) -> str:
+    """The log's last line that names an error (e.g. `RuntimeError: operator torchvision::nms does not
+    exist`), or "" if none does."""
+    line = next((l.strip() for l in reversed(logs.splitlines()) if ERROR_LINE.search(l)), "")
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
+def startup_failure(message: str, logs: str) -> str:
+    """`message: <the log's last error line>`, the message a server that died at start raises."""
+    cause = last_error_line(logs)
+    return f"{message}: {cause}" if cause else message
+
+
 class Server(Protocol):
     name: str
+    spec: ServerSpec
     endpoint: Endpoint
 
     def client(self, timeout: float) -> httpx.AsyncClient:
@@ -88,16 +111,42 @@ class Server(Protocol):
 
     def alive(self) -> bool: ...
 
+    def exit_code(self) -> int | None:
+        """None while the server runs (or is still being created); else its exit status."""
+
     def stop(self) -> Outcome:
         """Stop and clean up; returns how the server ended."""
+
+    def kill(self, outcome: Outcome | None = None) -> Outcome:
+        """Stop at once, without a grace period, and clean up; returns `outcome`, or how it ended."""
 
 
 class Sandbox(Protocol):
     def start(self, spec: ServerSpec) -> Server:
         """Start a server and wait until it answers; raises SandboxError(timeout|oom|crash)."""
 
+    def export_cache(self, server: Server, dest: Path) -> None:
+        """Copy a (trusted) server's compile caches into `dest`, the seed for later servers."""
+
     def reap(self) -> int:
         """Remove what a dead run left behind; returns how many leftovers were removed."""
+
+
+class Reachable:
+    """A server's HTTP clients, from its `endpoint`."""
+
+    endpoint: Endpoint
+
+    def client(self, timeout: float) -> httpx.AsyncClient:
+        return self.endpoint.client(timeout)
+
+    def sync_client(self, timeout: float) -> httpx.Client:
+        return self.endpoint.sync_client(timeout)
+
+
+def read_imports(path: Path) -> list[str]:
+    """The import recorder's log (sandbox/recorder): the source files imported, once each."""
+    return sorted(set(path.read_text().split())) if path.exists() else []
 
 
 def answers_health(server: "Server") -> bool:
@@ -109,9 +158,39 @@ def answers_health(server: "Server") -> bool:
         return False
 
 
-def clean_env(env: dict[str, str]) -> dict[str, str]:
+HEALTH_POLL_S = 0.5
+
+
+def wait_healthy(server: Server, timeout_s: float) -> None:
+    """Until /health answers 200. A server that exits first, or is not healthy within `timeout_s`,
+    is killed and cleaned up, and SandboxError raised with its logs."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        code = server.exit_code()
+        if code is not None:
+            logs = server.logs()
+            outcome = server.kill()
+            message = startup_failure(f"server exited during startup (exit code {code})", logs)
+            raise SandboxError(outcome if outcome != "ok" else "crash", message, logs)
+        if answers_health(server):
+            return
+        time.sleep(HEALTH_POLL_S)
+    logs = server.logs()
+    server.kill("timeout")
+    raise SandboxError("timeout", f"server not healthy after {timeout_s:.0f}s; killed and removed", logs)
+
+
+def clean_env(env: Mapping[str, str]) -> dict[str, str]:
     """The environment minus anything that looks like a secret."""
     return {k: v for k, v in env.items() if not any(m in k.upper() for m in SECRET_MARKERS)}
+
+
+def build_env(host_env: Mapping[str, str], passed: tuple[str, ...], prefixes: tuple[str, ...],
+              fixed: Mapping[str, str], spec: ServerSpec) -> dict[str, str]:
+    """What a server's processes see: the host variables named in `passed` or starting with one of
+    `prefixes`, then `fixed`, then the spec's own; never a variable that looks like a secret."""
+    inherited = clean_env({k: v for k, v in host_env.items() if k in passed or k.startswith(prefixes)})
+    return {**inherited, **fixed, **clean_env(spec.env)}
 
 
 def serve_argv(spec: ServerSpec) -> list[str]:

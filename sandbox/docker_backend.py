@@ -12,16 +12,16 @@ import shutil
 import socket
 import stat
 import tempfile
-import time
 from pathlib import Path
 
 import docker
-import httpx
 from docker.errors import DockerException, NotFound
 
-from sandbox.base import Endpoint, Outcome, SandboxError, ServerSpec, answers_health
+from sandbox.base import Endpoint, Outcome, Reachable, SandboxError, ServerSpec, read_imports, wait_healthy
+from sandbox.config import SandboxConfig
 from sandbox.docker_spec import IMPORT_LOG_NAME, LABEL, SANDBOX_UID, SOCKET_NAME, container_spec, slug
 from sandbox.gpu_idle import gpu_memory_used_mib, wait_until_idle
+from traces.errors import NightshiftError
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +31,16 @@ STOP_GRACE_S = 15
 LOG_TAIL_LINES = 5000
 
 
-class DockerUnavailable(RuntimeError):
+class DockerUnavailable(NightshiftError, RuntimeError):
     """No Docker engine answers (not a candidate's fault)."""
 
+    stage = "sandbox"
 
-class GpuNotIdle(RuntimeError):
+
+class GpuNotIdle(NightshiftError, RuntimeError):
     """A GPU still holds memory after the previous candidate (not the next candidate's fault)."""
+
+    stage = "start"
 
 
 def connect() -> docker.DockerClient:
@@ -99,7 +103,7 @@ def classify(state: dict) -> Outcome:
     return "crash"
 
 
-class DockerServer:
+class DockerServer(Reachable):
     def __init__(self, spec: ServerSpec, container, io_dir: Path, gpus: list[int], idle_mib: dict[int, int]):
         self.name, self.spec, self.container, self.io_dir = spec.name, spec, container, io_dir
         self.gpus, self.idle_mib = gpus, idle_mib
@@ -108,17 +112,8 @@ class DockerServer:
         self.gpu_idle: tuple[bool, str] | None = None
         self._final: tuple[Outcome, str, list[str]] | None = None
 
-    def client(self, timeout: float) -> httpx.AsyncClient:
-        return self.endpoint.client(timeout)
-
-    def sync_client(self, timeout: float) -> httpx.Client:
-        return self.endpoint.sync_client(timeout)
-
     def imported_files(self) -> list[str]:
-        if self._final:
-            return self._final[2]
-        path = self.io_dir / IMPORT_LOG_NAME
-        return sorted(set(path.read_text().split())) if path.exists() else []
+        return self._final[2] if self._final else read_imports(self.io_dir / IMPORT_LOG_NAME)
 
     def logs(self, limit: int = 20_000) -> str:
         if self._final:
@@ -138,6 +133,12 @@ class DockerServer:
     def alive(self) -> bool:
         return bool(self.state().get("Running"))
 
+    def exit_code(self) -> int | None:
+        state = self.state()
+        if state.get("Running") or state.get("Status") == "created":
+            return None
+        return state.get("ExitCode", -1)
+
     def stop(self) -> Outcome:
         """Stop (SIGTERM, then SIGKILL after a grace period), keep logs and imports, remove."""
         if self._final:
@@ -152,8 +153,12 @@ class DockerServer:
         self._finish(outcome)
         return outcome
 
-    def kill(self, outcome: Outcome | None = None) -> None:
-        self._finish(outcome or classify(self.state()))
+    def kill(self, outcome: Outcome | None = None) -> Outcome:
+        if self._final:
+            return self._final[0]
+        outcome = outcome or classify(self.state())
+        self._finish(outcome)
+        return outcome
 
     def _finish(self, outcome: Outcome) -> None:
         logs, imports = self.logs(limit=1_000_000), self.imported_files()
@@ -167,9 +172,7 @@ class DockerServer:
 
 
 class DockerSandbox:
-    def __init__(self, config=None, run_dir: Path | None = None):
-        from agent.task import Sandbox as SandboxConfig
-
+    def __init__(self, config: SandboxConfig | None = None, run_dir: Path | None = None):
         self.config = config or SandboxConfig(backend="docker")
         self.run_dir = Path(run_dir or Path.cwd()).resolve()
         self.run = slug(self.run_dir.name)
@@ -226,7 +229,7 @@ class DockerSandbox:
         except DockerException as exc:
             server.kill()
             raise SandboxError("crash", f"cannot start the container: {exc}", server.logs()) from None
-        wait_ready(server, spec.startup_timeout_s)
+        wait_healthy(server, spec.startup_timeout_s)
         return server
 
     def check_gpus_idle(self, gpus: list[int]) -> None:
@@ -266,20 +269,3 @@ class DockerSandbox:
                 shutil.rmtree(io, ignore_errors=True)
         return reaped
 
-
-def wait_ready(server: DockerServer, timeout_s: float) -> None:
-    """Until /health answers 200; on exit or timeout, remove the container and raise SandboxError."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        state = server.state()
-        if not state.get("Running") and state.get("Status") != "created":
-            outcome = classify(state)
-            logs = server.logs()
-            server.kill()
-            raise SandboxError(outcome, f"server exited during startup (exit code {state.get('ExitCode')})", logs)
-        if server.socket.exists() and answers_health(server):
-            return
-        time.sleep(0.5)
-    logs = server.logs()
-    server.kill("timeout")
-    raise SandboxError("timeout", f"server not healthy after {timeout_s:.0f}s; container killed and removed", logs)

@@ -9,12 +9,10 @@ import socket
 import subprocess
 import tempfile
 import sys
-import time
 from pathlib import Path
 
-import httpx
-
-from sandbox.base import Endpoint, Outcome, SandboxError, ServerSpec, answers_health, clean_env, serve_argv
+from sandbox.base import Endpoint, Outcome, Reachable, ServerSpec, build_env, read_imports, serve_argv, wait_healthy
+from sandbox.config import SandboxConfig
 
 RECORDER = Path(__file__).parent / "recorder"
 PASSED_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "LD_LIBRARY_PATH",
@@ -32,21 +30,18 @@ def free_port() -> int:
 
 
 def server_env(spec: ServerSpec, home: Path, import_log: Path, source_tree: Path, tmp: Path | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k in PASSED_ENV or k.startswith(PASSED_PREFIXES)}
-    env = clean_env(env)
     inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env.update({
+    fixed = {
         "HOME": str(home), "TMPDIR": str(tmp or home), "XDG_CACHE_HOME": str(home / "cache"),
         "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
         "PYTHONPATH": os.pathsep.join([str(RECORDER), str(source_tree), *inherited]),
         "TORCHINDUCTOR_CACHE_DIR": str(home / "cache" / "torchinductor"),
         "NIGHTSHIFT_IMPORT_LOG": str(import_log), "NIGHTSHIFT_SOURCE_TREE": str(source_tree),
         "PYTHONUNBUFFERED": "1",
-    })
+    }
     if spec.gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
-    env.update(clean_env(spec.env))
-    return env
+        fixed["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
+    return build_env(os.environ, PASSED_ENV, PASSED_PREFIXES, fixed, spec)
 
 
 def classify_exit(returncode: int | None, logs: str) -> Outcome:
@@ -55,7 +50,7 @@ def classify_exit(returncode: int | None, logs: str) -> Outcome:
     return "crash"
 
 
-class LocalServer:
+class LocalServer(Reachable):
     def __init__(self, spec: ServerSpec, process: subprocess.Popen, port: int, home: Path, log: Path,
                  import_log: Path, tmp: Path):
         self.name, self.spec, self.process, self.port = spec.name, spec, process, port
@@ -63,16 +58,8 @@ class LocalServer:
         self.tmp = tmp
         self.endpoint = Endpoint(f"http://127.0.0.1:{port}")
 
-    def client(self, timeout: float) -> httpx.AsyncClient:
-        return self.endpoint.client(timeout)
-
-    def sync_client(self, timeout: float) -> httpx.Client:
-        return self.endpoint.sync_client(timeout)
-
     def imported_files(self) -> list[str]:
-        if not self.import_log.exists():
-            return []
-        return sorted(set(self.import_log.read_text().split()))
+        return read_imports(self.import_log)
 
     def logs(self, limit: int = 20_000) -> str:
         if not self.log.exists():
@@ -81,18 +68,27 @@ class LocalServer:
             f.seek(max(0, self.log.stat().st_size - limit))
             return f.read().decode(errors="replace")
 
+    def exit_code(self) -> int | None:
+        return self.process.poll()
+
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return self.exit_code() is None
 
     def stop(self) -> Outcome:
-        outcome: Outcome = "ok" if self.alive() else classify_exit(self.process.returncode, self.logs())
-        _kill_group(self.process)
+        return self._end(grace_s=15)
+
+    def kill(self, outcome: Outcome | None = None) -> Outcome:
+        return self._end(grace_s=0, outcome=outcome)
+
+    def _end(self, grace_s: float, outcome: Outcome | None = None) -> Outcome:
+        outcome = outcome or ("ok" if self.alive() else classify_exit(self.process.returncode, self.logs()))
+        _kill_group(self.process, grace_s)
         (self.home / "pid").unlink(missing_ok=True)
         shutil.rmtree(self.tmp, ignore_errors=True)
         return outcome
 
 
-def _kill_group(process: subprocess.Popen, grace_s: float = 15) -> None:
+def _kill_group(process: subprocess.Popen, grace_s: float) -> None:
     try:
         os.killpg(process.pid, signal.SIGTERM)
     except ProcessLookupError:
@@ -109,7 +105,7 @@ def _kill_group(process: subprocess.Popen, grace_s: float = 15) -> None:
 
 
 class LocalSandbox:
-    def __init__(self, config=None, run_dir: Path | None = None):
+    def __init__(self, config: SandboxConfig | None = None, run_dir: Path | None = None):
         self.config = config
         self.root = Path(run_dir or Path.cwd()) / "servers"
 
@@ -172,17 +168,3 @@ def _alive(pid: int) -> bool:
         return True
     return True
 
-
-def wait_healthy(server, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not server.alive():
-            logs = server.logs()
-            outcome = server.stop()
-            raise SandboxError(outcome if outcome != "ok" else "crash", "server exited during startup", logs)
-        if answers_health(server):
-            return
-        time.sleep(1)
-    logs = server.logs()
-    server.stop()
-    raise SandboxError("timeout", f"server not healthy after {timeout_s:.0f}s", logs)

@@ -10,11 +10,20 @@ from sandbox.local import LocalServer, free_port, wait_healthy
 FAKE = Path(__file__).parent / "fake_vllm.py"
 
 
+class CountedServer(LocalServer):
+    """A LocalServer that tells its sandbox each time it is stopped."""
+
+    def stop(self):
+        self.sandbox.stops[self.name] = self.sandbox.stops.get(self.name, 0) + 1
+        return super().stop()
+
+
 class FakeSandbox:
     def __init__(self, root: Path):
         self.root = root
         self.started: list[ServerSpec] = []
         self.exported: list[str] = []
+        self.stops: dict[str, int] = {}
 
     def start(self, spec: ServerSpec) -> LocalServer:
         home = self.root / spec.name
@@ -25,7 +34,8 @@ class FakeSandbox:
             process = subprocess.Popen([sys.executable, str(FAKE), str(spec.source_tree), str(port), str(imports)],
                                        stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         (home / "tmp").mkdir()
-        server = LocalServer(spec, process, port, home, log, imports, home / "tmp")
+        server = CountedServer(spec, process, port, home, log, imports, home / "tmp")
+        server.sandbox = self
         wait_healthy(server, 30)
         self.started.append(spec)
         return server

@@ -1,11 +1,18 @@
 """A stand-in for `vllm serve` in a real process on loopback, for testing the loop's judgement.
 
+It is a causal model: the greedy token after a prefix is a pure function of the prefix, with a
+second-best token `margin(prefix)` nats below (0-2 nats) and every other token 8 nats below, and it
+answers `prompt_logprobs` (teacher-forced scoring) and `logprobs` (margins) as vLLM does.
+
 Its behaviour comes from the source tree it is started on (the last of vllm/fake_mode*.json), so a queued
 patch can turn it into a faster, cheating or nondeterministic candidate:
   exact   - tokens are a pure function of the prompt; `delay_s` per generated token (`slow_delay_s`
             once `slow_after` completions were served, if set)
   short   - like exact, but returns fewer tokens than asked when many requests are in flight
   random  - tokens differ on every call (not reproducible)
+  batched - exact while one request is in flight, wrong tokens (the right number) when several are
+  neartie - like batched, but under concurrency it takes the second most likely token only where the
+            margin is below `near_tie` nats (batching that changes numerics at near-ties)
   crash   - exits at startup
   hang    - starts, then never answers a completion
 """
@@ -28,11 +35,37 @@ in_flight = served = 0
 lock = threading.Lock()
 
 
-def next_token(prompt: list[int], i: int) -> int:
+def top1(prefix: list[int]) -> int:
+    digest = hashlib.sha256(json.dumps(prefix).encode()).digest()
+    return 4 + int.from_bytes(digest[:4], "little") % 4090
+
+
+def margin(prefix: list[int]) -> float:
+    """Between 0 and 2 nats, a pure function of the prefix."""
+    return (top1(prefix) % 200) / 100
+
+
+def logprob(prefix: list[int], token: int) -> float:
+    best = top1(prefix)
+    return -0.25 if token == best else -0.25 - margin(prefix) if token == best + 1 else -8.25
+
+
+def next_token(prefix: list[int], crowded: bool) -> int:
     if config["mode"] == "random":
         return random.randrange(4, 4096)
-    digest = hashlib.sha256(json.dumps([prompt, i]).encode()).digest()
-    return 4 + int.from_bytes(digest[:4], "little") % 4092
+    if config["mode"] == "batched" and crowded:
+        return 4 + (top1(prefix) + 7) % 4090
+    if config["mode"] == "neartie" and crowded and margin(prefix) < config.get("near_tie", 0.1):
+        return top1(prefix) + 1
+    return top1(prefix)
+
+
+def generate(prompt: list[int], count: int, crowded: bool):
+    prefix = list(prompt)
+    for _ in range(count):
+        token = next_token(prefix, crowded)
+        yield prefix[:], token
+        prefix.append(token)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -54,7 +87,7 @@ class Handler(BaseHTTPRequestHandler):
         with lock:
             in_flight += 1
             served += 1
-            crowded = in_flight > 2
+            crowded = in_flight > (1 if config["mode"] in ("batched", "neartie") else 2)
             delay_s = config.get("delay_s", 0.002)
             if served > config.get("slow_after", served):
                 delay_s = config["slow_delay_s"]
@@ -63,15 +96,15 @@ class Handler(BaseHTTPRequestHandler):
             if config["mode"] == "short" and crowded:
                 count = max(1, count // 2)
             if not body.get("stream", False):
-                self.answer_whole(body, count)
+                self.answer_whole(body, count, crowded)
                 return
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Connection", "close")
             self.end_headers()
-            for i in range(count):
+            for _, token in generate(body["prompt"], count, crowded):
                 time.sleep(delay_s)
-                chunk = {"choices": [{"index": 0, "text": "", "token_ids": [next_token(body["prompt"], i)]}]}
+                chunk = {"choices": [{"index": 0, "text": "", "token_ids": [token]}]}
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 self.wfile.flush()
             self.wfile.write(b"data: [DONE]\n\n")
@@ -81,24 +114,27 @@ class Handler(BaseHTTPRequestHandler):
                 in_flight -= 1
         self.close_connection = True
 
-    def answer_whole(self, body: dict, count: int):
-        tokens = [next_token(body["prompt"], i) for i in range(count)]
-        choice = {"index": 0, "text": "", "token_ids": tokens}
+    def answer_whole(self, body: dict, count: int, crowded: bool):
+        steps = list(generate(body["prompt"], count, crowded))
+        choice = {"index": 0, "text": "", "token_ids": [t for _, t in steps]}
         if body.get("logprobs"):
             choice["logprobs"] = {"top_logprobs": [
-                {f"token_id:{t}": -0.25, f"token_id:{t + 1}": -0.25 - margin(body["prompt"], i)}
-                for i, t in enumerate(tokens)]}
+                {f"token_id:{top1(p)}": -0.25, f"token_id:{top1(p) + 1}": -0.25 - margin(p)} for p, _ in steps]}
+        if body.get("prompt_logprobs"):
+            prompt = body["prompt"]
+            entries = [None]
+            for k in range(1, len(prompt)):
+                best, token = top1(prompt[:k]), prompt[k]
+                entry = {str(token): {"logprob": logprob(prompt[:k], token), "rank": 1 if token == best else 2}}
+                entry.setdefault(str(best), {"logprob": -0.25, "rank": 1})
+                entries.append(entry)
+            choice["prompt_logprobs"] = entries
         payload = json.dumps({"choices": [choice]}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
         self.wfile.write(payload)
-
-
-def margin(prompt: list[int], i: int) -> float:
-    """Between 0 and 2 nats, a pure function of the prompt and position."""
-    return (next_token(prompt, i) % 200) / 100
 
 
 ThreadingHTTPServer.daemon_threads = True

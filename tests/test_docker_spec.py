@@ -1,5 +1,5 @@
 """The container specification the Docker backend produces (no engine needed): the GPU path is
-checked here because it cannot run on the CPU machines."""
+checked here because it needs a GPU host to run."""
 import os
 from pathlib import Path
 

@@ -12,8 +12,8 @@ import pytest
 
 from agent.models import LlmAuthError, LlmFatalError, OpenAIModel, ReplayModel
 from agent.proposers.base import Attempt, ProposalContext, ProposerExhausted
-from agent.proposers.edits import surface_allows
 from agent.proposers.llm import LlmProposer
+from agent.surface import surface_allows
 from agent.task import parse_task
 from fake_openai_server import FakeOpenAI
 from traces.log import TraceWriter, read_trace
@@ -165,10 +165,10 @@ class Run:
         self.record(proposal)
         return proposal
 
-    def decide(self, proposal: Proposal, stage: str, reason: str, verdict: str = "discard", detail: str = "") -> None:
+    def decide(self, proposal: Proposal, stage: str, reason: str, verdict: str = "discard") -> None:
         decision = Decision(candidate=proposal.candidate, verdict=verdict, stage=stage, reason=reason)
         self.record(decision)
-        attempt = Attempt(proposal=proposal, decision=decision, parity_detail=detail)
+        attempt = Attempt(proposal=proposal, decision=decision)
         self.history.append(attempt)
         self.proposer.observe(attempt)
 
@@ -219,7 +219,7 @@ def test_valid_edit_becomes_a_proposal_with_usage_and_cost(server, checkout, key
     assert proposal.proposer == "llm" and proposal.summary.startswith("skip the softmax")
     assert "--- a/vllm/v1/sample/sampler.py" in proposal.patch and "+++ b/vllm/v1/sample/sampler.py" in proposal.patch
     assert "return logits.argmax(dim=-1)" in applies(checkout, proposal.patch, tmp_path)
-    # the request carried the context: goal, profile, file map, the file itself
+    # the request held the context: goal, profile, file map, the file itself
     sent = server.requests[0]["body"]
     assert sent["stream"] is True and sent["model"] == "fake-model"
     user = sent["messages"][-1]["content"]
@@ -313,18 +313,18 @@ def test_truncated_empty_and_garbage_answers_are_recorded_and_skipped(server, ch
     assert calls[0].finish_reason == "length" and calls[1].response == ""
     assert calls[3].error.startswith("transient: broken stream")  # garbage bytes: no SSE answer at all
     assert calls[4].error is None and proposal.patch
-    assert run.proposer.stats.invalid == {"length": 1, "empty": 1, "parse": 1}
+    assert run.proposer.stats.invalid == {"truncated": 1, "empty": 1, "parse": 1, "LLM call failed": 1}
 
 
 @pytest.mark.parametrize("status", [401, 403])
 def test_401_and_403_stop_the_run_with_a_clear_message(server, checkout, key, status):
     server.push({"status": status, "message": "Incorrect API key provided: sk-nigh*****6789"})
     run = Run(make_task(server.base_url), checkout)
-    with pytest.raises(LlmAuthError) as info:
+    with pytest.raises(ProposerExhausted) as info:
         run.propose()
     message = str(info.value)
     assert f"{status} from {server.base_url}" in message and "$NIGHTSHIFT_TEST_KEY is set" in message
-    assert isinstance(info.value, LlmFatalError) and isinstance(info.value, ProposerExhausted)
+    assert info.value.kind == "fatal" and isinstance(info.value.__cause__, LlmAuthError)
     assert len(server.requests) == 1  # never retried
     assert run.kinds() == ["llm_call"] and run.events[0].error.startswith("auth: ")
 
@@ -333,8 +333,9 @@ def test_a_missing_key_variable_is_named_in_the_401_message(server, checkout, mo
     monkeypatch.delenv("NIGHTSHIFT_TEST_KEY", raising=False)
     server.push({"status": 401, "message": "no key"})
     run = Run(make_task(server.base_url), checkout)
-    with pytest.raises(LlmAuthError, match=r"\$NIGHTSHIFT_TEST_KEY is not set"):
+    with pytest.raises(ProposerExhausted, match=r"\$NIGHTSHIFT_TEST_KEY is not set") as info:
         run.propose()
+    assert info.value.kind == "fatal"
 
 
 def test_a_down_llm_never_hangs(checkout, key):
@@ -372,7 +373,7 @@ def test_the_token_cap_stops_cleanly(server, checkout, key):
         for _ in range(10):
             run.propose()
     assert 0 < run.proposer.tokens_used <= 3000
-    assert run.proposer.summary()["tokens_in"] == run.proposer.tokens_in
+    assert run.proposer.stats.tokens_in == run.proposer.tokens_in
 
 
 def test_the_key_never_reaches_the_trace(server, checkout, key, tmp_path):
@@ -400,22 +401,22 @@ def test_repair_gets_the_build_error_and_is_bounded(server, checkout, key):
     assert "rejected at the `build` stage" in messages[-1]["content"]
     assert "does not compile: invalid syntax (line 7)" in messages[-1]["content"]
     # the repair fails at parity; repair_turns=1 is spent, so the next one starts fresh
-    run.decide(repaired, "parity", "tokens differ", detail="prompt 3, position 5: expected 17, got 4")
+    run.decide(repaired, "parity", "tokens differ")
     third = run.propose()
     assert third.meta["llm"]["repair_of"] is None
     assert len(server.requests[2]["body"]["messages"]) == 2
-    assert run.proposer.stats.repairs == 1
+    assert run.proposer.repairs == 1
 
 
 def test_parity_failure_repair_carries_the_divergence(server, checkout, key):
     server.push({"text": VALID}, {"text": VALID_2})
     run = Run(make_task(server.base_url, repair_turns=2), checkout)
     first = run.propose()
-    run.decide(first, "parity", "greedy tokens differ from the incumbent",
-               detail="prompt 3, position 5: expected 17, got 4")
+    run.decide(first, "parity", "greedy tokens differ from the incumbent on prompt 3 at token 5")
     run.propose()
     last = server.requests[1]["body"]["messages"][-1]["content"]
-    assert "`parity` stage" in last and "prompt 3, position 5: expected 17, got 4" in last
+    assert "`parity` stage" in last and "on prompt 3 at token 5" in last
+    assert "computes exactly the same values in the same order" in last
 
 
 def test_not_faster_is_not_repaired_and_a_duplicate_is_invalid(server, checkout, key):

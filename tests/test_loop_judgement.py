@@ -1,20 +1,49 @@
-"""The loop's judgement, with fake servers in real processes: what it keeps and what it refuses."""
+"""The loop's judgement, with fake servers in real processes: what it keeps and what it refuses.
+
+No vLLM or torch is needed: the checkout is a real git repo of a pure-Python stand-in, and the servers
+are tests/fake_vllm.py processes (a causal stand-in model on loopback)."""
 import json
 from pathlib import Path
 
+import git
 import pytest
 
 from agent.audit import audit
-from agent.loop import Loop, SetupNotDeterministic
+from agent.loop import AuditNotCalibrated, Loop, SetupNotDeterministic
 from agent.parity import ReferenceFailed
 from agent.proposers.queue import QueueProposer
 from agent.report import write_summary
-from agent.setup import RunSetup
+from agent.setup import prepare_run
 from agent.task import load_task, with_overrides
 from tests.fake_sandbox import FakeSandbox
 from traces import read_trace
 
 ROOT = Path(__file__).resolve().parent.parent
+VERSION = "0.32.0"
+
+
+@pytest.fixture(scope="module")
+def fake_checkout(tmp_path_factory) -> Path:
+    """A git checkout of a pure-Python stand-in for vLLM, tagged as the task's version."""
+    path = tmp_path_factory.mktemp("fake-vllm") / "checkout"
+    (path / "vllm").mkdir(parents=True)
+    (path / "vllm" / "__init__.py").write_text("VERSION = '0.32.0'\n")
+    (path / ".gitignore").write_text("__pycache__/\n*.pyc\n")
+    repo = git.Repo.init(path, initial_branch="main")
+    with repo.config_writer() as config:
+        config.set_value("user", "name", "test")
+        config.set_value("user", "email", "test@localhost")
+    repo.git.add("-A")
+    repo.git.commit("-qm", "stand-in vLLM")
+    repo.create_tag(f"v{VERSION}")
+    return path
+
+
+@pytest.fixture(scope="module")
+def fake_model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("fake-model")
+    (path / "config.json").write_text(json.dumps({"vocab_size": 4096}))
+    return path
 
 
 def new_file_patch(path: str, text: str, subject: str) -> str:
@@ -28,10 +57,11 @@ def mode(name: str, delay_s: float = 0.01, **extra) -> str:
     return json.dumps({"mode": name, "delay_s": delay_s, **extra})
 
 
-def fake_task(checkout: Path, patches: Path, **overrides):
+def fake_task(checkout: Path, model: Path, patches: Path, **overrides):
     task = load_task(ROOT / "tasks" / "gemma4-tiny-cpu.yaml")
     sections = dict(
         target={"checkout": str(checkout)},
+        model={"path": str(model), "synthetic": None},
         proposer={"kind": "queue", "patches": str(patches)},
         edit_surface={"include": ["vllm/*"], "exclude": ["vllm/entrypoints/*"]},
         workload={"num_prompts": 8, "input_len": 16, "output_len": 16},
@@ -43,23 +73,34 @@ def fake_task(checkout: Path, patches: Path, **overrides):
     return with_overrides(task, **{**sections, **overrides})
 
 
-def run(tmp_path, checkout, patches: dict[str, str], **overrides):
-    folder = tmp_path / "patches"
-    folder.mkdir()
-    for name, text in patches.items():
-        (folder / name).write_text(text)
-    task = fake_task(checkout, folder, **overrides)
-    setup = RunSetup(task, tmp_path / "runs", sandbox=FakeSandbox(tmp_path / "servers"))
-    loop = Loop(setup, QueueProposer(folder))
-    return setup, loop
+@pytest.fixture
+def run(tmp_path, fake_checkout, fake_model):
+    def make(patches: dict[str, str], **overrides):
+        folder = tmp_path / "patches"
+        folder.mkdir()
+        for name, text in patches.items():
+            (folder / name).write_text(text)
+        task = fake_task(fake_checkout, fake_model, folder, **overrides)
+        setup = prepare_run(task, tmp_path / "runs", vllm_version=VERSION)
+        loop = Loop(setup, QueueProposer(folder), sandbox=FakeSandbox(tmp_path / "servers"))
+        return setup, loop
+    return make
+
+
+def stopped_once(loop) -> bool:
+    """Every server the run started was stopped, and exactly once."""
+    stops = loop.pool.sandbox.stops
+    assert sorted(stops) == sorted(spec.name for spec in loop.pool.sandbox.started), stops
+    assert all(count == 1 for count in stops.values()), stops
+    return True
 
 
 def decisions(setup):
     return {r.event.candidate: r.event for r in read_trace(setup.run_dir / "trace.jsonl") if r.event.kind == "decision"}
 
 
-def test_each_candidate_is_judged_at_the_right_stage(tmp_path, vllm_checkout):
-    setup, loop = run(tmp_path, vllm_checkout, {
+def test_each_candidate_is_judged_at_the_right_stage(run):
+    setup, loop = run({
         "1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster, same tokens"),
         "2-short.patch": new_file_patch("vllm/fake_mode_2.json", mode("short", 0.0025), "does less work under load"),
         "3-random.patch": new_file_patch("vllm/fake_mode_3.json", mode("random"), "different tokens"),
@@ -91,10 +132,92 @@ def test_each_candidate_is_judged_at_the_right_stage(tmp_path, vllm_checkout):
     assert self_parity.margins_error == ""
     write_summary(setup.run_dir)
     assert json.loads((setup.run_dir / "summary.json").read_text())["self_parity"]["margins"] == margins
+    assert loop.pool.running == [] and stopped_once(loop)
 
 
-def test_a_nondeterministic_setup_refuses_to_start(tmp_path, vllm_checkout):
-    setup, loop = run(tmp_path, vllm_checkout, {"1.patch": new_file_patch("vllm/a.py", "A = 1\n", "x")})
+def test_a_candidate_exact_alone_and_wrong_in_batches_is_rejected_at_the_audit(run):
+    """Parity sends one request at a time, so it sees only correct tokens; under the benchmark's load the
+    candidate returns the right number of wrong tokens, faster. The audit of the benchmark's own outputs
+    rejects it, naming the pass, request, position and tokens."""
+    setup, loop = run({
+        "1-batched.patch": new_file_patch("vllm/fake_mode_1.json", mode("batched", 0.0025), "fast, wrong in batches"),
+    })
+    finished = loop.run()
+    decision = decisions(setup)[1]
+    assert (decision.verdict, decision.stage) == ("discard", "audit"), decision.reason
+    records = [r.event for r in read_trace(setup.run_dir / "trace.jsonl")]
+    parity = next(e for e in records if e.kind == "parity" and e.candidate == 1)
+    bench = next(e for e in records if e.kind == "benchmark" and e.candidate == 1)
+    assert parity.ok and bench.ci_low > 1.05  # it passed parity and was measured faster
+    token_audit = next(e for e in records if e.kind == "audit" and e.candidate == 1)
+    assert token_audit.requests == 5 * 8 and token_audit.tokens == 5 * 8 * 16
+    assert token_audit.violation_count > 0 and token_audit.deficits.max == pytest.approx(8.0)
+    v = token_audit.violations[0]
+    assert f"pass {v.repetition}, request {v.request}, position {v.position}: returned {v.returned}" in decision.reason
+    assert "8.000 nats below" in decision.reason
+    assert not [e for e in records if e.kind == "benchmark" and e.confirmation == 1]  # no confirmation spent
+    assert finished.kept == 0 and audit(setup.run_dir).commits == 0
+    calibration = next(e for e in records if e.kind == "audit" and e.calibration)
+    assert calibration.violation_count == 0 and calibration.tokens == 8 * 16
+
+
+def test_tokens_that_differ_only_at_near_ties_are_kept_with_the_audit_on_the_branch(run):
+    setup, loop = run({
+        "1-neartie.patch": new_file_patch("vllm/fake_mode_1.json", mode("neartie", 0.0025, near_tie=0.1),
+                                          "faster, flips near-ties in batches"),
+    })
+    finished = loop.run()
+    decision = decisions(setup)[1]
+    assert decision.verdict == "keep", decision.reason
+    audits = [r.event for r in read_trace(setup.run_dir / "trace.jsonl") if r.event.kind == "audit"
+              and r.event.candidate == 1]
+    assert [a.confirmation for a in audits] == [0, 1]
+    assert all(a.violation_count == 0 and 0 < a.deficits.non_top1 and a.deficits.max < 0.1 for a in audits)
+    commit = git.Repo(setup.repo.working_dir).commit(setup.workspace.head())
+    assert f"Nightshift-Audit: {sum(a.tokens for a in audits)} tokens under load, 0 violations, max deficit " \
+        in commit.message
+    assert finished.kept == 1 and audit(setup.run_dir).commits == 1
+
+
+def test_a_reference_that_dies_during_the_audit_stops_the_run_and_blames_no_one(run):
+    setup, loop = run({
+        "1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster"),
+    })
+    original = loop.audit
+
+    def audit_after_the_reference_died(n, outputs, confirmation=0, calibration=False):
+        if not calibration:
+            loop.reference.process.kill()
+            loop.reference.process.wait()
+        return original(n, outputs, confirmation, calibration)
+
+    loop.audit = audit_after_the_reference_died
+    with pytest.raises(ReferenceFailed, match="failed while auditing tokens"):
+        loop.run()
+    kinds = [r.event.kind for r in read_trace(setup.run_dir / "trace.jsonl")]
+    assert "benchmark" in kinds and "decision" not in kinds and kinds[-1] == "run_finished"
+    assert loop.pool.running == [] and stopped_once(loop)
+
+
+def test_a_baseline_that_fails_its_own_audit_refuses_to_start(run):
+    setup, loop = run({"1.patch": new_file_patch("vllm/a.py", "A = 1\n", "x")})
+    original = setup.baseline_tree
+
+    def flipping_baseline():
+        tree = original()
+        (tree / "vllm" / "fake_mode.json").write_text(mode("neartie", near_tie=2.0))
+        return tree
+
+    setup.baseline_tree = flipping_baseline
+    with pytest.raises(AuditNotCalibrated, match="baseline's own outputs under the benchmark load fail the token"):
+        loop.run()
+    kinds = [r.event.kind for r in read_trace(setup.run_dir / "trace.jsonl")]
+    assert kinds == ["run_started", "self_parity", "audit", "run_finished"]
+    assert loop.pool.running == [] and stopped_once(loop)
+
+
+def test_a_nondeterministic_setup_refuses_to_start(run):
+    setup, loop = run({"1.patch": new_file_patch("vllm/a.py", "A = 1\n", "x")})
     (setup.workspace.worktrees).mkdir(parents=True, exist_ok=True)
     original = setup.baseline_tree
 
@@ -110,11 +233,11 @@ def test_a_nondeterministic_setup_refuses_to_start(tmp_path, vllm_checkout):
     assert [r.event.kind for r in records] == ["run_started", "self_parity", "run_finished"]
     assert not records[1].event.ok
     assert records[2].event.reason.startswith("error: SetupNotDeterministic")
-    assert setup.servers == []
+    assert loop.pool.running == [] and stopped_once(loop)
 
 
-def test_dedicated_parity_servers_start_beside_the_production_ones(tmp_path, vllm_checkout):
-    setup, loop = run(tmp_path, vllm_checkout,
+def test_dedicated_parity_servers_start_beside_the_production_ones(run):
+    setup, loop = run(
                       {"1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster")},
                       parity={"num_prompts": 4, "input_len": 8, "max_tokens": 8, "regime": "one_batch",
                               "env": {"VLLM_BATCH_INVARIANT": "1"}, "args": {"attention_backend": "TRITON_ATTN"}},
@@ -122,15 +245,15 @@ def test_dedicated_parity_servers_start_beside_the_production_ones(tmp_path, vll
                                  "max_client_busy": 1.0, "client_processes": 2})
     finished = loop.run()
     assert finished.kept == 1, decisions(setup)[1].reason
-    started = {spec.name: spec for spec in setup.sandbox.started}
+    started = {spec.name: spec for spec in loop.pool.sandbox.started}
     assert sorted(started) == ["baseline-2", "baseline-perf", "candidate-1", "candidate-1-parity", "reference"]
     for name in ("reference", "baseline-2", "candidate-1-parity"):
         assert started[name].env.get("VLLM_BATCH_INVARIANT") == "1"
         assert started[name].engine_args["attention_backend"] == "TRITON_ATTN"
     for name in ("baseline-perf", "candidate-1"):
         assert "VLLM_BATCH_INVARIANT" not in started[name].env and "attention_backend" not in started[name].engine_args
-    assert setup.servers == []
-    assert sorted(setup.sandbox.exported) == ["baseline-2", "baseline-perf", "reference"]  # never a candidate's
+    assert loop.pool.running == [] and stopped_once(loop)
+    assert sorted(loop.pool.sandbox.exported) == ["baseline-2", "baseline-perf", "reference"]  # never a candidate's
     records = read_trace(setup.run_dir / "trace.jsonl")
     taken = [r.event.sample for r in records if r.event.kind == "sample" and r.event.confirmation == 0]
     report = next(r.event for r in records if r.event.kind == "benchmark")
@@ -138,8 +261,8 @@ def test_dedicated_parity_servers_start_beside_the_production_ones(tmp_path, vll
     assert all(0 < sample.client_busy <= 1 and sample.client_cpu_s > 0 for sample in taken)
 
 
-def test_a_pass_whose_client_was_too_busy_is_not_trusted(tmp_path, vllm_checkout):
-    setup, loop = run(tmp_path, vllm_checkout,
+def test_a_pass_whose_client_was_too_busy_is_not_trusted(run):
+    setup, loop = run(
                       {"1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster")},
                       benchmark={"warmup_requests": 2, "repetitions": 5, "request_timeout_s": 10,
                                  "max_client_busy": 0.001})
@@ -151,8 +274,8 @@ def test_a_pass_whose_client_was_too_busy_is_not_trusted(tmp_path, vllm_checkout
     assert len(taken) == 1 and taken[0].client_busy > 0.001  # stopped at the first untrusted pass
 
 
-def test_a_reference_that_stops_answering_ends_the_run_without_blaming_the_candidate(tmp_path, vllm_checkout):
-    setup, loop = run(tmp_path, vllm_checkout,
+def test_a_reference_that_stops_answering_ends_the_run_without_blaming_the_candidate(run):
+    setup, loop = run(
                       {"1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster")})
     original_step = loop.step
 
@@ -167,14 +290,14 @@ def test_a_reference_that_stops_answering_ends_the_run_without_blaming_the_candi
     kinds = [r.event.kind for r in read_trace(setup.run_dir / "trace.jsonl")]
     assert "decision" not in kinds and kinds[-1] == "run_finished"
     assert read_trace(setup.run_dir / "trace.jsonl")[-1].event.reason.startswith("error: ReferenceFailed")
-    assert setup.servers == []
+    assert loop.pool.running == [] and stopped_once(loop)
 
 
-def test_a_win_must_repeat_in_an_independent_confirmation(tmp_path, vllm_checkout):
+def test_a_win_must_repeat_in_an_independent_confirmation(run):
     # Candidate 1 is fast for its parity check and first benchmark (4 + 2 warmup + 5 x 8 requests), then
     # slower than the incumbent; candidate 2 is fast throughout.
     fading = mode("exact", 0.0025, slow_after=46, slow_delay_s=0.02)
-    setup, loop = run(tmp_path, vllm_checkout, {
+    setup, loop = run({
         "1-fading.patch": new_file_patch("vllm/fake_mode_1.json", fading, "faster once"),
         "2-fast.patch": new_file_patch("vllm/fake_mode_2.json", mode("exact", 0.0025), "faster"),
     }, acceptance={"min_speedup": 1.02, "confidence": 0.95, "confirmations": 1})

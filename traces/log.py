@@ -1,6 +1,6 @@
 """Append-only, hash-chained JSONL.
 
-Each line starts with its own sha256 (computed with that field blank) and carries the sha256 of
+Each line starts with its own sha256 (computed with that field blank) and records the sha256 of
 the line before it, so one changed byte is caught at the line that holds it."""
 from __future__ import annotations
 
@@ -11,13 +11,16 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from traces.errors import NightshiftError
 from traces.schema import AnyEvent, Record
 
 GENESIS = "0" * 64
 _PREFIX = b'{"sha256":"'
 
 
-class TraceError(Exception):
+class TraceError(NightshiftError):
+    stage = "trace"
+
     def __init__(self, line: int, message: str):
         super().__init__(f"trace line {line}: {message}")
         self.line = line
@@ -60,7 +63,20 @@ class TraceWriter:
 
 def read_trace(path: Path) -> list[Record]:
     """Parse and verify the whole chain. Raises TraceError naming the first bad line (1-based)."""
+    return parse_trace(Path(path).read_bytes())
+
+
+def read_trace_so_far(path: Path) -> tuple[list[Record], bool]:
+    """A trace that may still be written: (the verified complete lines, whether a last line was torn).
+
+    A last line without its newline is a write in progress and is left out; every complete line is
+    verified as `read_trace` does."""
     data = Path(path).read_bytes()
+    complete = data[:data.rfind(b"\n") + 1]
+    return parse_trace(complete), len(complete) < len(data)
+
+
+def parse_trace(data: bytes) -> list[Record]:
     if not data:
         raise TraceError(1, "empty trace")
     lines = data.split(b"\n")

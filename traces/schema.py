@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 FORMAT_VERSION = 1
 
 Stage = Literal[
-    "proposal", "surface", "apply", "build", "start", "parity", "liveness", "benchmark", "decision",
+    "proposal", "surface", "apply", "build", "start", "parity", "liveness", "benchmark", "audit", "decision",
 ]
 Verdict = Literal["keep", "discard", "crash"]
 
@@ -120,6 +120,8 @@ class Sample(BaseModel):
     """CPU time the harness's load client spent on the pass, all its processes together."""
     client_busy: float | None = None
     """The busiest client process's CPU time over its wall time; near 1, the client set the pace."""
+    outputs_sha256: str | None = None
+    """sha256 of the pass's prompts and returned token ids (kept under outputs/ in the run folder)."""
 
 
 class Liveness(BaseModel):
@@ -152,6 +154,50 @@ class BenchReport(Event):
     output_check: str
     confirmation: int = 0
     """0: the first benchmark; k: the k-th independent confirmation of a candidate that passed."""
+
+
+class Violation(BaseModel):
+    repetition: int
+    """The timed pass (repetition) of the benchmark."""
+    request: int
+    position: int
+    """The generated position (0 = the first output token)."""
+    returned: int
+    expected: int
+    """The reference's top-1 token there."""
+    deficit_nats: float
+
+
+class Deficits(BaseModel):
+    """How far below the reference's top-1 the returned tokens lay, over the positions that were not top-1."""
+
+    positions: int
+    non_top1: int
+    max: float
+    p50: float
+    p90: float
+    p99: float
+
+
+class TokenAudit(Event):
+    """The benchmark's own outputs, scored teacher-forced on the trusted reference (agent/token_audit.py).
+    With `calibration`, the baseline's outputs under the benchmark load (the A/A that calibrates the tolerance)."""
+
+    kind: Literal["audit"] = "audit"
+    candidate: int
+    confirmation: int = 0
+    calibration: bool = False
+    requests: int
+    of_requests: int
+    tokens: int
+    tolerance_nats: float
+    deficits: Deficits
+    violation_count: int
+    violations: list[Violation] = Field(default_factory=list)
+    """The first violations (at most 20)."""
+    sample_seed: int
+    """Drawn after the passes ran; recorded so the sample can be checked."""
+    seconds: float
 
 
 class Decision(Event):
@@ -206,7 +252,8 @@ class RunFinished(Event):
 
 AnyEvent = Annotated[
     Union[
-        RunStarted, SelfParity, Proposal, PatchApplied, Build, ParityReport, SampleTaken, BenchReport, Decision,
+        RunStarted, SelfParity, Proposal, PatchApplied, Build, ParityReport, SampleTaken, BenchReport, TokenAudit,
+        Decision,
         Commit, LlmCall, ProposalInvalid, RunFinished,
     ],
     Field(discriminator="kind"),

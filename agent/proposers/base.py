@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Literal, Protocol
 
 from agent.task import Task
 from traces.schema import AnyEvent, Decision, Proposal
@@ -13,7 +13,6 @@ from traces.schema import AnyEvent, Decision, Proposal
 class Attempt:
     proposal: Proposal
     decision: Decision
-    parity_detail: str = ""
 
 
 @dataclass
@@ -33,11 +32,18 @@ class ProposalContext:
 
 
 class ProposerExhausted(Exception):
-    """The proposer has nothing more to propose, or its own budget is spent."""
+    """The proposer has nothing more to propose, or its own budget is spent (`kind` "exhausted"), or
+    it can not work at all in this run (`kind` "fatal": a bad LLM key, an unknown model)."""
+
+    def __init__(self, message: str, kind: Literal["exhausted", "fatal"] = "exhausted"):
+        super().__init__(message)
+        self.kind = kind
 
 
 class Proposer(Protocol):
     name: str
+    spend_usd: float
+    """US dollars spent so far (on an LLM); 0.0 for a proposer that spends nothing."""
 
     def propose(self, ctx: ProposalContext) -> Proposal:
         """The next candidate. Raises ProposerExhausted when there is none."""

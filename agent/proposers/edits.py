@@ -18,12 +18,13 @@ The checkout is only read; the edited copies live in memory.
 from __future__ import annotations
 
 import difflib
-import fnmatch
 import re
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+
+from agent.surface import surface_allows
 
 # Markers are matched leniently (small models drop some of the angle brackets, or all of
 # them); the SEARCH text itself is matched exactly.
@@ -114,29 +115,28 @@ def parse_edits(text: str) -> list[Edit]:
         path = _path_above(lines, i, edits)
         if not path:
             raise EditError("parse", f"line {start + 1}: a SEARCH block without a file path on the line above it")
-        i += 1
-        search: list[str] = []
-        while i < len(lines) and not DIVIDER.match(lines[i]):
-            if SEARCH.match(lines[i]) or REPLACE.match(lines[i]):
-                raise EditError("parse", f"line {i + 1}: SEARCH block for {path} has no '=======' divider")
-            search.append(lines[i])
-            i += 1
-        if i >= len(lines):
-            raise EditError("parse", f"line {start + 1}: SEARCH block for {path} is not closed (no '=======')")
-        i += 1
-        replace: list[str] = []
-        while i < len(lines) and not REPLACE.match(lines[i]):
-            if SEARCH.match(lines[i]) or DIVIDER.match(lines[i]):
-                raise EditError("parse", f"line {i + 1}: REPLACE part for {path} is not closed")
-            replace.append(lines[i])
-            i += 1
-        if i >= len(lines):
-            raise EditError("parse", f"line {start + 1}: block for {path} has no '>>>>>>> REPLACE' (truncated?)")
-        i += 1
+        search, i = _part(lines, i + 1, DIVIDER, (SEARCH, REPLACE), f"SEARCH block for {path} has no '=======' divider",
+                          f"line {start + 1}: SEARCH block for {path} is not closed (no '=======')")
+        replace, i = _part(lines, i, REPLACE, (SEARCH, DIVIDER), f"REPLACE part for {path} is not closed",
+                           f"line {start + 1}: block for {path} has no '>>>>>>> REPLACE' (truncated?)")
         edits.append(Edit(path=path, search=_join(search), replace=_join(replace), index=len(edits) + 1))
     if not edits:
         raise EditError("parse", "no SEARCH/REPLACE block in the answer")
     return edits
+
+
+def _part(lines: list[str], i: int, end: re.Pattern, stray: tuple[re.Pattern, ...], stray_error: str,
+          open_error: str) -> tuple[list[str], int]:
+    """The lines from i up to the `end` marker, and the index after it."""
+    part: list[str] = []
+    while i < len(lines) and not end.match(lines[i]):
+        if any(marker.match(lines[i]) for marker in stray):
+            raise EditError("parse", f"line {i + 1}: {stray_error}")
+        part.append(lines[i])
+        i += 1
+    if i >= len(lines):
+        raise EditError("parse", open_error)
+    return part, i + 1
 
 
 def _join(lines: list[str]) -> str:
@@ -162,12 +162,6 @@ def normalize_path(path: str) -> str:
     if any(part.startswith(".git") for part in pure.parts):
         raise EditError("path", f"{path!r} is inside git metadata")
     return str(pure)
-
-
-def surface_allows(path: str, include: list[str], exclude: list[str]) -> bool:
-    """fnmatch globs over paths relative to the checkout root (`*` also matches `/`)."""
-    return (any(fnmatch.fnmatchcase(path, g) for g in include)
-            and not any(fnmatch.fnmatchcase(path, g) for g in exclude))
 
 
 def apply_edits(edits: list[Edit], checkout: Path, include: list[str], exclude: list[str]

@@ -15,6 +15,7 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 class FlagsProposer:
     name = "flags"
+    spend_usd = 0.0
 
     def __init__(self, config: FlagsConfig, baseline_args: dict):
         self.space = config.space

@@ -27,21 +27,22 @@ from string import Template
 from typing import Any, Callable
 
 from agent.models import (
-    Completion, LlmError, LlmFatalError, Messages, Model, OpenAIModel, Price, Redactor,
+    Completion, LlmError, LlmFatalError, Messages, Model, OpenAIModel, Price, Redactor, ReplayExhausted,
     complete_with_retries, estimate_tokens, messages_tokens,
 )
 from agent.proposers.base import Attempt, ProposalContext, ProposerExhausted
-from agent.proposers.edits import EditError, Patch, make_patch, surface_allows
+from agent.proposers.edits import EditError, Patch, make_patch
+from agent.proposers.funnel import Funnel, llm_funnel
+from agent.surface import surface_allows
 from agent.task import LlmProposer as LlmSpec
 from agent.task import Task
-from traces.schema import LlmCall, Proposal, ProposalInvalid
+from traces.schema import AnyEvent, LlmCall, Proposal, ProposalInvalid
 
 EXCERPT_LINES = 160
 RETRY_TEMPERATURE = 0.7
 FOLLOW_UPS = 1
 """Follow-up turns after unusable answers in one conversation before a fresh one."""
 PROMPTS = Path(__file__).resolve().parent.parent / "prompts"
-STAGES = ["proposal", "surface", "apply", "build", "start", "parity", "liveness", "benchmark", "decision"]
 REPAIRABLE = {"apply", "build", "start", "parity", "liveness"}
 HOT_PATH_HINTS = ["sample/sampler", "logits_processor", "worker/cpu_model_runner", "worker/gpu_model_runner",
                   "core/sched/scheduler", "layers/layernorm", "rotary_embedding", "layers/activation",
@@ -63,22 +64,6 @@ class Conversation:
     follow_ups: int = 0
 
 
-@dataclass
-class Stats:
-    calls: int = 0
-    failed_calls: int = 0
-    answers: int = 0
-    parsed: int = 0
-    applied: int = 0
-    proposals: int = 0
-    repairs: int = 0
-    built: int = 0
-    parity_passed: int = 0
-    kept: int = 0
-    invalid: dict[str, int] = field(default_factory=dict)
-    outcomes: dict[str, int] = field(default_factory=dict)
-
-
 class LlmProposer:
     name = "llm"
 
@@ -98,7 +83,9 @@ class LlmProposer:
         self.tokens_in = 0
         self.tokens_out = 0
         self.spend_usd = 0.0
-        self.stats = Stats()
+        self.stats = Funnel()
+        """This proposer's funnel so far, counted from the events it records and sees."""
+        self.repairs = 0
         self.fresh = 0
         self._pending_repair: tuple[Conversation, Attempt] | None = None
         self._last: Conversation | None = None
@@ -115,11 +102,6 @@ class LlmProposer:
     @property
     def tokens_used(self) -> int:
         return self.tokens_in + self.tokens_out
-
-    def summary(self) -> dict[str, Any]:
-        """For the live view and the run summary."""
-        return {"spend_usd": round(self.spend_usd, 6), "tokens_in": self.tokens_in, "tokens_out": self.tokens_out,
-                "stats": self.stats.__dict__}
 
     def _check_budget(self, messages: Messages) -> None:
         budget = self.task.budget
@@ -143,9 +125,7 @@ class LlmProposer:
         recorded = self.redactor.obj(messages)
 
         def failed(error: LlmError, latency: float) -> None:
-            self.stats.calls += 1
-            self.stats.failed_calls += 1
-            ctx.record(LlmCall(candidate=ctx.candidate, model=self.model.name, params=params, messages=recorded,
+            self._record(ctx, LlmCall(candidate=ctx.candidate, model=self.model.name, params=params, messages=recorded,
                                response=None, finish_reason=None, latency_s=round(latency, 3),
                                error=self.redactor.text(error.record())))
 
@@ -162,12 +142,15 @@ class LlmProposer:
         self.tokens_in += usage.get("prompt_tokens", 0)
         self.tokens_out += usage.get("completion_tokens", 0)
         self.spend_usd += cost
-        self.stats.calls += 1
-        ctx.record(LlmCall(candidate=ctx.candidate, model=completion.model or self.model.name, params=params,
+        self._record(ctx, LlmCall(candidate=ctx.candidate, model=completion.model or self.model.name, params=params,
                            messages=recorded, response=completion.text,
                            finish_reason=completion.finish_reason, usage=usage, cost_usd=round(cost, 8),
                            latency_s=round(completion.latency_s, 3)))
         return completion
+
+    def _record(self, ctx: ProposalContext, event: AnyEvent) -> None:
+        self.stats.add(event)
+        ctx.record(event)
 
     # ------------------------------------------------------------------------------- propose
     def propose(self, ctx: ProposalContext) -> Proposal:
@@ -176,7 +159,7 @@ class LlmProposer:
             convo, attempt = self._pending_repair
             self._pending_repair = None
             convo.repairs += 1
-            self.stats.repairs += 1
+            self.repairs += 1
             messages = [*convo.messages, {"role": "assistant", "content": convo.answer},
                         {"role": "user", "content": self._repair_text(attempt)}]
             convo = Conversation(messages=messages, repairs=convo.repairs, files=convo.files)
@@ -191,30 +174,30 @@ class LlmProposer:
             temperature = self.spec.temperature if answer_no == 1 else max(self.spec.temperature, RETRY_TEMPERATURE)
             try:
                 completion = self._call(ctx, convo.messages, temperature)
-            except LlmFatalError:
-                raise
+            except LlmFatalError as exc:
+                raise ProposerExhausted(str(exc), kind="fatal") from exc
+            except ReplayExhausted as exc:
+                raise ProposerExhausted(str(exc)) from exc
             except LlmError as exc:
                 last_reason = f"LLM call failed: {exc.record()}"
-                self._invalid(ctx, last_reason, "llm")
+                self._invalid(ctx, last_reason)
                 continue
-            self.stats.answers += 1
             text = completion.text or ""
             reason, code, patch = self._check(ctx, text, completion.finish_reason)
             if patch is not None:
                 digest = hashlib.sha256(patch.diff.encode()).hexdigest()
                 self._seen[digest] = ctx.candidate
-                self.stats.proposals += 1
                 convo.answer, convo.candidate, convo.files = text, ctx.candidate, patch.files
                 self._last = convo
                 meta = {"llm": {"model": self.model.name, "answer": answer_no, "repair_of": repair_of,
                                 "files": patch.files, "spend_usd": round(self.spend_usd, 6),
                                 "tokens_used": self.tokens_used}}
-                return Proposal(candidate=ctx.candidate, proposer=self.name, summary=patch.summary,
-                                patch=patch.diff, meta=meta)
+                proposal = Proposal(candidate=ctx.candidate, proposer=self.name, summary=patch.summary,
+                                    patch=patch.diff, meta=meta)
+                self.stats.add(proposal)
+                return proposal
             last_reason = reason
-            self._invalid(ctx, reason, code)
-            if code in ("request",):
-                continue
+            self._invalid(ctx, reason)
             if convo.follow_ups < FOLLOW_UPS and code != "length":
                 convo.follow_ups += 1
                 convo.messages = [*convo.messages, {"role": "assistant", "content": text or "(empty)"},
@@ -226,10 +209,9 @@ class LlmProposer:
         raise ProposerExhausted(f"{self.spec.attempts_per_proposal} LLM answers in a row were unusable; "
                                 f"the last: {last_reason}")
 
-    def _invalid(self, ctx: ProposalContext, reason: str, code: str) -> None:
-        self.stats.invalid[code] = self.stats.invalid.get(code, 0) + 1
+    def _invalid(self, ctx: ProposalContext, reason: str) -> None:
         self._invalid_log.append(f"candidate {ctx.candidate}: {reason}"[:300])
-        ctx.record(ProposalInvalid(candidate=ctx.candidate, reason=self.redactor.text(reason) or reason))
+        self._record(ctx, ProposalInvalid(candidate=ctx.candidate, reason=self.redactor.text(reason) or reason))
 
     def _check(self, ctx: ProposalContext, text: str, finish_reason: str | None) -> tuple[str, str, Patch | None]:
         if finish_reason == "length":
@@ -241,15 +223,11 @@ class LlmProposer:
             patch = make_patch(text, Path(ctx.checkout), self.task.edit_surface.include,
                                self.task.edit_surface.exclude)
         except EditError as exc:
-            if exc.code not in ("parse", "empty"):
-                self.stats.parsed += 1
             return str(exc), exc.code, None
-        self.stats.parsed += 1
         digest = hashlib.sha256(patch.diff.encode()).hexdigest()
         if digest in self._seen:
             return (f"duplicate: the same change as candidate {self._seen[digest]}, which was already tried",
                     "duplicate", None)
-        self.stats.applied += 1
         return "", "", patch
 
     # ------------------------------------------------------------------------------- observe
@@ -257,24 +235,16 @@ class LlmProposer:
         if attempt.proposal.proposer != self.name:
             return
         decision = attempt.decision
-        stage_index = STAGES.index(decision.stage) if decision.stage in STAGES else 0
+        self.stats.add(decision)
         kept = decision.verdict == "keep"
-        outcome = "keep" if kept else decision.stage
-        self.stats.outcomes[outcome] = self.stats.outcomes.get(outcome, 0) + 1
-        if kept or stage_index > STAGES.index("build"):
-            self.stats.built += 1
-        if kept or stage_index > STAGES.index("parity"):
-            self.stats.parity_passed += 1
-        if kept:
-            self.stats.kept += 1
         convo, self._last = self._last, None
         if (not kept and decision.stage in REPAIRABLE and convo is not None
                 and convo.candidate == attempt.proposal.candidate and convo.repairs < self.spec.repair_turns):
             self._pending_repair = (convo, attempt)
 
     def _repair_text(self, attempt: Attempt) -> str:
-        detail = attempt.parity_detail or ""
-        if attempt.decision.stage == "parity" and not detail:
+        detail = ""
+        if attempt.decision.stage == "parity":
             detail = ("The output tokens differ from the baseline: the change alters the computation. "
                       "Make sure the new code computes exactly the same values in the same order.")
         return load_prompt("repair").substitute(candidate=attempt.proposal.candidate, stage=attempt.decision.stage,
@@ -429,10 +399,8 @@ class LlmProposer:
             what = p.summary or "(no summary)"
             if p.engine_args:
                 what += f" engine args {json.dumps(p.engine_args, sort_keys=True)}"
-            line = f"- candidate {p.candidate} [{p.proposer}] {what}: {d.verdict} at {d.stage}{numbers}: {d.reason[:300]}"
-            if attempt.parity_detail:
-                line += f" (divergence: {attempt.parity_detail[:200]})"
-            out.append(line)
+            out.append(f"- candidate {p.candidate} [{p.proposer}] {what}: {d.verdict} at {d.stage}{numbers}: "
+                       f"{d.reason[:300]}")
         if self._invalid_log:
             out.append("Your recent answers that could not be used:")
             out += [f"- {x}" for x in self._invalid_log[-5:]]
@@ -505,47 +473,4 @@ def _architecture_hint(task: Task) -> str:
     return f"models/{arch.lower().replace('forcausallm', '')}.py" if arch else ""
 
 
-__all__ = ["LlmProposer", "Stats", "llm_funnel"]
-
-
-def llm_funnel(events: list[Any]) -> dict[str, Any]:
-    """From a run's events: how the LLM's answers fared, stage by stage (numbers for the summary).
-
-    answers: LLM calls that returned text; parsed: answers whose blocks parsed; applied: answers
-    that became a checked patch (a proposal); built / parity_passed / kept: those proposals that
-    got through the loop's build, parity and decision stages."""
-    calls = [e for e in events if getattr(e, "kind", "") == "llm_call"]
-    answers = [c for c in calls if c.error is None]
-    invalid: dict[str, int] = {}
-    for e in events:
-        if getattr(e, "kind", "") == "proposal_invalid":
-            code = e.reason.split(":", 1)[0]
-            invalid[code] = invalid.get(code, 0) + 1
-    proposals = {e.candidate for e in events if getattr(e, "kind", "") == "proposal" and e.proposer == "llm"}
-    decisions = [e for e in events if getattr(e, "kind", "") == "decision" and e.candidate in proposals]
-    stage = {name: i for i, name in enumerate(STAGES)}
-
-    def past(d: Any, name: str) -> bool:
-        return d.verdict == "keep" or stage.get(d.stage, 0) > stage[name]
-
-    unparsed = sum(invalid.get(code, 0) for code in ("parse", "empty", "truncated"))
-    return {
-        "llm_calls": len(calls), "failed_calls": len(calls) - len(answers), "answers": len(answers),
-        "parsed": len(answers) - unparsed, "applied": len(proposals),
-        "built": sum(past(d, "build") for d in decisions),
-        "parity_passed": sum(past(d, "parity") for d in decisions),
-        "kept": sum(d.verdict == "keep" for d in decisions),
-        "invalid": invalid, "rejected_at": {d.stage: sum(x.stage == d.stage for x in decisions if x.verdict != "keep")
-                                            for d in decisions if d.verdict != "keep"},
-        "tokens_in": sum(c.usage.get("prompt_tokens", 0) for c in answers),
-        "tokens_out": sum(c.usage.get("completion_tokens", 0) for c in answers),
-        "spend_usd": round(sum(c.cost_usd for c in calls), 6),
-    }
-
-
-if __name__ == "__main__":  # python -m agent.proposers.llm runs/<id>/trace.jsonl
-    import sys
-
-    from traces.log import read_trace
-
-    print(json.dumps(llm_funnel([r.event for r in read_trace(Path(sys.argv[1]))]), indent=1))
+__all__ = ["Funnel", "LlmProposer", "llm_funnel"]
