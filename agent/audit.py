@@ -9,6 +9,7 @@ from pathlib import Path
 
 import git
 
+from agent.evidence import check_decisions
 from agent.workspace import SERVE_FILE
 from traces import TraceError, read_trace
 from traces.errors import NightshiftError
@@ -34,6 +35,8 @@ class AuditResult:
     commits: int
     finished: bool
     notes: list[str] = field(default_factory=list)
+    decisions: int = 0
+    """Decisions re-derived from their recorded evidence (samples, intervals, audits)."""
 
 
 def resolve_run(run: str, runs_dir: Path) -> Path:
@@ -51,6 +54,7 @@ def audit(run_dir: Path) -> AuditResult:
     by_sha = {r.sha256: r for r in records}
     commit_records = [r for r in records if isinstance(r.event, Commit)]
     _check_keeps_committed(records, commit_records)
+    decisions = check_decisions(records)
     try:
         repo = _open_repo(Path(run_dir), started)
         shas = repo.git.rev_list("--reverse", "--first-parent", f"{started.base_commit}..{started.branch}").split()
@@ -83,7 +87,8 @@ def audit(run_dir: Path) -> AuditResult:
                                        f"does not account for, first {shas[len(commit_records)][:12]}")
     finished = records[-1].event.kind == "run_finished"
     notes = [] if finished else ["the run did not finish (no run_finished record): it crashed or is still running"]
-    return AuditResult(records=len(records), commits=len(commit_records), finished=finished, notes=notes)
+    return AuditResult(records=len(records), commits=len(commit_records), finished=finished, notes=notes,
+                       decisions=decisions)
 
 
 def _open_repo(run_dir: Path, started: RunStarted) -> git.Repo:

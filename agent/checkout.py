@@ -7,7 +7,7 @@ from pathlib import Path
 
 import git
 
-from agent.checkpoint import cache_root
+from agent.paths import cache_root
 from traces.errors import NightshiftError
 
 COMPILED_SUFFIXES = (".so", ".pyd", ".dylib")

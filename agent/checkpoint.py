@@ -14,6 +14,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from agent.numerics import Margins
+from agent.paths import cache_root
 from traces.errors import NightshiftError
 
 RECIPE = "hf-from-config-v1"
@@ -29,25 +31,6 @@ class ModelError(NightshiftError, FileNotFoundError):
     stage = "model"
 
 
-class Margins(BaseModel):
-    """Top-1 minus top-2 log-probability (nats), teacher-forced over random prompts."""
-
-    median: float
-    p10: float
-    p90: float
-    below_0_1: float
-    positions: int
-
-    @classmethod
-    def of(cls, margins) -> Margins:
-        import numpy as np
-
-        values = np.asarray(margins, dtype=float)
-        p10, median, p90 = np.quantile(values, [0.1, 0.5, 0.9])
-        return cls(median=round(float(median), 4), p10=round(float(p10), 4), p90=round(float(p90), 4),
-                   below_0_1=round(float((values < 0.1).mean()), 4), positions=int(values.size))
-
-
 class CheckpointInfo(BaseModel):
     path: Path
     sha256: str
@@ -58,10 +41,6 @@ class CheckpointInfo(BaseModel):
     """Where the seeded initialisation ran: the same seed gives other weights on a GPU than on a CPU."""
     margins: Margins | None = None
     seconds: float = 0.0
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("NIGHTSHIFT_CACHE", Path.home() / ".cache" / "nightshift"))
 
 
 def weights_sha256(folder: Path) -> str:
@@ -79,6 +58,18 @@ def real_checkpoint(folder: Path) -> CheckpointInfo:
     if not (folder / "config.json").is_file():
         raise ModelError(f"model folder {folder} has no config.json")
     return CheckpointInfo(path=folder, sha256=weights_sha256(folder))
+
+
+def prepare_model(task) -> CheckpointInfo:
+    """The checkpoint of a task's `model` section (agent.task.ModelSpec): the real weights it
+    names, or its synthetic model, written once."""
+    model = task.model
+    if model.path:
+        return real_checkpoint(model.path)
+    synthetic = model.synthetic
+    return ensure_synthetic(synthetic.config, synthetic.seed, synthetic.logit_scale, model.dtype,
+                            final_norm_scale=synthetic.final_norm_scale, post_norm_scale=synthetic.post_norm_scale,
+                            embedding_norm_sigma=synthetic.embedding_norm_sigma)
 
 
 def ensure_synthetic(config_path: Path, seed: int, logit_scale: float = 1.0, dtype: str = "bfloat16",

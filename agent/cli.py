@@ -61,7 +61,7 @@ def run(
     """Run an optimization task; ends with a branch nightshift/<run-id> and runs/<run-id>/."""
     from agent.preflight import check_run
     from agent.proposers import make_proposer
-    from agent.setup import RunSetup, new_run_id
+    from agent.setup import new_run_id, prepare_run
 
     task = with_settings(load_task(task_file), settings)
     if proposer == "queue" or patches:
@@ -85,8 +85,9 @@ def run(
         start_detached(argv, runs_dir, run_id or new_run_id())
         return
     check_run(task)
-    setup = RunSetup(task, runs_dir, run_id=run_id)
-    console.print(f"run [bold]{setup.run_id}[/bold] -> {setup.run_dir}  branch {setup.workspace.branch}")
+    setup = prepare_run(task, runs_dir, run_id=run_id)
+    console.print(f"run [bold]{setup.run_id}[/bold] -> {setup.run_dir}  branch {setup.workspace.branch}",
+                  soft_wrap=True)
     run_loop(setup, chosen, quiet)
 
 
@@ -158,7 +159,8 @@ def replay(run: str = typer.Argument(..., help="run folder or run id"),
         console.print(f"[red]audit failed[/red] at record {exc.line}: {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(1)
     console.print(f"[green]audit ok[/green]: {result.records} records, chain intact; "
-                  f"{result.commits} commit(s) on the branch, each matching its keep decision")
+                  f"{result.commits} commit(s) on the branch, each matching its keep decision; "
+                  f"{result.decisions} decision(s) follow from their recorded evidence")
     for note in result.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
     if rerun:
@@ -172,7 +174,7 @@ def rerun_from_trace(run_dir: Path, runs_dir: Path) -> None:
     from agent.preflight import check_run
     from agent.proposers import make_proposer
     from agent.proposers.llm import LlmProposer
-    from agent.setup import RunSetup
+    from agent.setup import prepare_run
     from agent.task import parse_task
     from traces import read_trace
 
@@ -181,7 +183,7 @@ def rerun_from_trace(run_dir: Path, runs_dir: Path) -> None:
     proposer = (LlmProposer.from_task(task, model=ReplayModel.from_trace(trace)) if task.proposer.kind == "llm"
                 else make_proposer(task))
     check_run(task)
-    setup = RunSetup(task, runs_dir)
+    setup = prepare_run(task, runs_dir)
     console.print(f"rerun of {run_dir.name} as [bold]{setup.run_id}[/bold]")
     finished = Loop(setup, proposer).run()
     console.print(f"rerun finished: {finished.reason}; kept {finished.kept} of {finished.candidates}")

@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import secrets
 
-from agent.checkpoint import Margins
+from agent.numerics import Margins
 from agent.parity import ReferenceFailed
-from agent.requests import ANSWER_ERRORS, RequestError, draw_prompts
+from agent.requests import ANSWER_ERRORS, RequestError, completion_body, draw_prompts, first_choice
 from agent.task import Parity
 from sandbox.base import Server, answers_health
 
@@ -28,12 +28,8 @@ def margins_of(step_logprobs: list[dict[str, float]]) -> list[float]:
 async def greedy_margins(server: Server, prompts: list[list[int]], max_tokens: int, timeout_s: float) -> Margins:
     """Greedy completions with the two most likely tokens per step; all prompts in flight at once."""
     async def one(client, prompt: list[int]) -> list[float]:
-        body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "logprobs": 2, "return_tokens_as_token_ids": True, "seed": 0}
-        response = await client.post("/v1/completions", json=body)
-        if response.status_code != 200:
-            raise RequestError(f"HTTP {response.status_code}: {response.text[:500]}")
-        logprobs = response.json()["choices"][0].get("logprobs") or {}
+        body = completion_body(prompt, max_tokens, logprobs=2, return_tokens_as_token_ids=True)
+        logprobs = (await first_choice(client, body)).get("logprobs") or {}
         steps = logprobs.get("top_logprobs") or []
         if len(steps) != max_tokens:
             raise RequestError(f"expected top logprobs for {max_tokens} positions, got {len(steps)}")

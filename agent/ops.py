@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import os
 import tarfile
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 
 import git
@@ -161,10 +163,7 @@ def pack_run(run_dir: Path, dest: Path, settle_s: float = 10.0) -> dict:
         if not log.is_file():
             continue
         name = "nightshift.log" if log == detached else log.relative_to(run_dir).as_posix()
-        lines = log.read_bytes().splitlines(keepends=True)
-        logs[name] = len(lines)
-        files[f"{name}.head"] = b"".join(lines[:LOG_LINES])
-        files[f"{name}.tail"] = b"".join(lines[max(LOG_LINES, len(lines) - LOG_LINES):])
+        logs[name], files[f"{name}.head"], files[f"{name}.tail"] = _head_tail(log)
     started: RunStarted = records[0].event
     files[BUNDLE] = _bundle(started, head)
     manifest = {"run_id": started.run_id, "branch": started.branch, "base_commit": started.base_commit,
@@ -182,6 +181,17 @@ def pack_run(run_dir: Path, dest: Path, settle_s: float = 10.0) -> dict:
             tar.addfile(info, io.BytesIO(data))
     partial.replace(dest)
     return manifest
+
+
+def _head_tail(path: Path) -> tuple[int, bytes, bytes]:
+    """(lines, the first LOG_LINES, the last LOG_LINES after those), reading the file once."""
+    with open(path, "rb") as f:
+        head = list(itertools.islice(f, LOG_LINES))
+        tail, count = deque(maxlen=LOG_LINES), len(head)
+        for line in f:
+            tail.append(line)
+            count += 1
+    return count, b"".join(head), b"".join(tail)
 
 
 def _consistent_snapshot(run_dir: Path, settle_s: float) -> tuple[bytes, list[Record], str]:

@@ -22,6 +22,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from agent.checkpoint import prepare_model
+from agent.paths import cache_root
 from traces.errors import NightshiftError
 
 
@@ -112,11 +114,7 @@ def profile_request(task, model_path: Path) -> dict[str, Any]:
 def load_or_run(task, model_path: Path | None = None, timeout_s: float = 900,
                 cache_dir: Path | None = None) -> Profile:
     """The cached profile for this task's baseline, made now if there is none. Raises ProfileError."""
-    from agent.checkpoint import cache_root
-
     if model_path is None:
-        from agent.setup import prepare_model
-
         model_path = prepare_model(task).path
     request = profile_request(task, Path(model_path))
     cache = Path(cache_dir or cache_root() / "profiles") / f"{_key(request)}.json"

@@ -6,9 +6,10 @@ from pathlib import Path
 
 from rich.table import Table
 
+from agent.token_audit import trailer
 from traces import read_trace
 from traces.schema import (BenchReport, Commit, Decision, ParityReport, PatchApplied, Proposal, RunFinished,
-                           SelfParity)
+                           SelfParity, TokenAudit)
 
 
 def _by_candidate(records) -> dict[int, dict]:
@@ -21,10 +22,19 @@ def _by_candidate(records) -> dict[int, dict]:
     return out
 
 
+def _audits(records) -> dict[int, list[TokenAudit]]:
+    out: dict[int, list[TokenAudit]] = {}
+    for record in records:
+        if isinstance(record.event, TokenAudit):
+            out.setdefault(record.event.candidate, []).append(record.event)
+    return out
+
+
 def write_summary(run_dir: Path) -> str:
     records = read_trace(Path(run_dir) / "trace.jsonl")
     candidates = _by_candidate(records)
     finished = next((r.event for r in records if isinstance(r.event, RunFinished)), None)
+    audits = _audits(records)
     rows, measurements = [], []
     for n, events in sorted(candidates.items()):
         proposal: Proposal | None = events.get("proposal")
@@ -34,12 +44,17 @@ def write_summary(run_dir: Path) -> str:
                      "verdict": decision.verdict if decision else "unfinished",
                      "stage": decision.stage if decision else "", "reason": decision.reason if decision else "",
                      "speedup": bench.speedup if bench else None,
-                     "ci": [bench.ci_low, bench.ci_high] if bench else None})
+                     "ci": [bench.ci_low, bench.ci_high] if bench else None,
+                     "audit": {"tokens": sum(a.tokens for a in audits[n]),
+                               "violations": sum(a.violation_count for a in audits[n]),
+                               "max_deficit_nats": max(a.deficits.max for a in audits[n]),
+                               "seconds": round(sum(a.seconds for a in audits[n]), 3)} if n in audits else None})
         if bench:
             measurements += [{"candidate": n, **s.model_dump()} for s in bench.samples]
     self_parity = next((r.event for r in records if isinstance(r.event, SelfParity)), None)
     summary = {"run_id": records[0].event.run_id, "finished": finished.model_dump() if finished else None,
-               "self_parity": self_parity.model_dump() if self_parity else None, "candidates": rows}
+               "self_parity": self_parity.model_dump() if self_parity else None,
+               "audit_calibration": audits[0][0].model_dump() if 0 in audits else None, "candidates": rows}
     if any(r.event.kind == "llm_call" for r in records):
         from agent.proposers.funnel import llm_funnel
 
@@ -55,7 +70,9 @@ def review_tables(run_dir: Path) -> list[Table]:
     records = read_trace(Path(run_dir) / "trace.jsonl")
     candidates = _by_candidate(records)
     kept = Table(title=f"branch {records[0].event.branch} (base {records[0].event.base_commit[:12]})")
-    for column in ("commit", "candidate", "what changed", "speedup [interval]", "parity evidence", "samples"):
+    audits = _audits(records)
+    for column in ("commit", "candidate", "what changed", "speedup [interval]", "parity evidence", "token audit",
+                   "samples"):
         kept.add_column(column)
     for record in records:
         if not isinstance(record.event, Commit):
@@ -73,6 +90,7 @@ def review_tables(run_dir: Path) -> list[Table]:
                      f"p={bench.p_value:.4f}",
                      f"{parity.prompts} prompts x {parity.tokens_per_prompt} tokens identical ({parity.regime})\n"
                      f"digest {parity.digest[:16]}{live}",
+                     trailer(audits[record.event.candidate]) if record.event.candidate in audits else "not audited",
                      f"{len(bench.samples) // 2} paired reps\n{bench.output_check[:60]}")
     rejected = Table(title="not kept")
     for column in ("candidate", "proposal", "verdict", "stage", "reason"):

@@ -24,7 +24,6 @@ class Completion:
     sent: float = 0.0
     first_token: float | None = None
     done: float = 0.0
-    chunk_times: list[float] = field(default_factory=list)
 
     @property
     def ttft_ms(self) -> float | None:
@@ -47,20 +46,26 @@ ANSWER_ERRORS = (RequestError, OSError, httpx.HTTPError)
 
 def completion_body(prompt: list[int], max_tokens: int, *, stream: bool = False, model: str = "model",
                     **extra) -> dict:
-    """The greedy completion request every check sends (extra keys, e.g. prompt_logprobs, last)."""
-    return {**_body(prompt, max_tokens, model, stream), **extra}
-
-
-def _body(prompt: list[int], max_tokens: int, model: str, stream: bool) -> dict:
+    """A greedy /v1/completions request of exactly `max_tokens` tokens (temperature 0, EOS ignored,
+    seed 0) that returns token ids; `extra` fields (logprobs, say) are added last and win."""
     return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True, "stream": stream, "seed": 0}
+            "ignore_eos": True, "return_token_ids": True, "stream": stream, "seed": 0, **extra}
+
+
+async def first_choice(client: httpx.AsyncClient, body: dict) -> dict:
+    """The first choice of one non-streamed /v1/completions request; RequestError on an error status."""
+    response = await client.post("/v1/completions", json=body)
+    if response.status_code != 200:
+        raise RequestError(f"HTTP {response.status_code}: {response.text[:500]}")
+    return response.json()["choices"][0]
 
 
 async def complete(client: httpx.AsyncClient, prompt: list[int], max_tokens: int,
                    model: str = "model") -> Completion:
     """One streamed greedy completion; token ids come from the stream, the clock is ours."""
     result = Completion(sent=time.perf_counter())
-    async with client.stream("POST", "/v1/completions", json=_body(prompt, max_tokens, model, True)) as response:
+    body = completion_body(prompt, max_tokens, stream=True, model=model)
+    async with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             detail = (await response.aread()).decode(errors="replace")[:500]
             raise RequestError(f"HTTP {response.status_code}: {detail}")
@@ -71,11 +76,9 @@ async def complete(client: httpx.AsyncClient, prompt: list[int], max_tokens: int
             for choice in chunk.get("choices", []):
                 ids = choice.get("token_ids") or []
                 if ids:
-                    now = time.perf_counter()
                     if result.first_token is None:
-                        result.first_token = now
+                        result.first_token = time.perf_counter()
                     result.tokens.extend(int(t) for t in ids)
-                    result.chunk_times.append(now)
     result.done = time.perf_counter()
     return result
 

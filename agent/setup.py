@@ -17,7 +17,7 @@ import git
 import agent
 from agent.build import build
 from agent.checkout import create_checkout, default_checkout_path, installed_vllm, open_checkout, version_tag
-from agent.checkpoint import CheckpointInfo, cache_root, ensure_synthetic, real_checkpoint
+from agent.checkpoint import CheckpointInfo, cache_root, prepare_model
 from agent.task import Task
 from agent.workspace import Workspace
 from traces import TraceWriter
@@ -31,15 +31,6 @@ class SetupError(NightshiftError, RuntimeError):
 
 def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
-
-
-def prepare_model(task: Task) -> CheckpointInfo:
-    if task.model.path:
-        return real_checkpoint(task.model.path)
-    synthetic = task.model.synthetic
-    return ensure_synthetic(synthetic.config, synthetic.seed, synthetic.logit_scale, task.model.dtype,
-                            final_norm_scale=synthetic.final_norm_scale, post_norm_scale=synthetic.post_norm_scale,
-                            embedding_norm_sigma=synthetic.embedding_norm_sigma)
 
 
 def prepare_checkout(task: Task, vllm_version: str) -> git.Repo:
@@ -104,9 +95,6 @@ def prepare_run(task: Task, runs_dir: Path, run_id: str | None = None, vllm_vers
     linked = vllm_version is None
     version = installed_vllm()[1] if linked else vllm_version
     repo = prepare_checkout(task, version)
-    if repo.is_dirty(untracked_files=False):
-        raise SetupError(f"the checkout {repo.working_dir} has uncommitted changes; commit or discard them first",
-                         "checkout")
     model = prepare_model(task)
     vocab_size = int(json.loads((model.path / "config.json").read_text())["vocab_size"])
     run_dir.mkdir(parents=True)

@@ -335,7 +335,7 @@ def test_cpu_task_runs_end_to_end_in_containers(engine, tmp_path, vllm_checkout,
     """The built-in CPU task with `sandbox.backend: docker`: every server of the run is a container."""
     from agent.loop import Loop
     from agent.proposers import make_proposer
-    from agent.setup import RunSetup
+    from agent.setup import prepare_run
     from agent.task import load_task, with_overrides
     from sandbox.docker_backend import DockerSandbox as Backend
     from traces import read_trace
@@ -347,9 +347,10 @@ def test_cpu_task_runs_end_to_end_in_containers(engine, tmp_path, vllm_checkout,
                           budget={"max_candidates": 1},  # and a small workload: this checks plumbing, not speed
                           workload={"num_prompts": 8, "input_len": 32, "output_len": 16},
                           parity={"num_prompts": 4}, benchmark={"repetitions": 2, "warmup_requests": 1})
-    setup = RunSetup(task, tmp_path / "runs")
-    assert isinstance(setup.sandbox, Backend)
-    finished = Loop(setup, make_proposer(task)).run()
+    setup = prepare_run(task, tmp_path / "runs")
+    loop = Loop(setup, make_proposer(task))
+    assert isinstance(loop.pool.sandbox, Backend)
+    finished = loop.run()
     records = [r.event for r in read_trace(setup.run_dir / "trace.jsonl")]
     kinds = [e.kind for e in records]
     assert [e.ok for e in records if e.kind == "self_parity"] == [True]

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.task import Sandbox as SandboxConfig
 from sandbox.base import ServerSpec
+from sandbox.config import SandboxConfig
 from sandbox.docker_backend import DockerSandbox, GpuNotIdle
 from sandbox.docker_spec import IO, MODEL, RECORDER, SCRATCH, TREE, container_spec
 from sandbox.gpu_idle import gpu_memory_used_mib, wait_until_idle

@@ -8,7 +8,7 @@ from agent.audit import audit
 from agent.loop import Loop
 from agent.proposers import make_proposer
 from agent.report import review_tables, write_summary
-from agent.setup import RunSetup
+from agent.setup import prepare_run
 from agent.task import load_task, with_overrides
 from agent.workspace import SERVE_FILE, serve_args_at
 from traces import TraceError, read_trace
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3000)]
 def run_task(tmp_path, checkout, **overrides):
     task = load_task(ROOT / "tasks" / "gemma4-tiny-cpu.yaml")
     task = with_overrides(task, target={"checkout": str(checkout)}, **overrides)
-    setup = RunSetup(task, tmp_path / "runs")
+    setup = prepare_run(task, tmp_path / "runs")
     finished = Loop(setup, make_proposer(task)).run()
     write_summary(setup.run_dir)
     return setup, finished, read_trace(setup.run_dir / "trace.jsonl")

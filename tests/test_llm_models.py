@@ -118,8 +118,11 @@ def test_fake_model_makes_valid_edits_end_to_end(tmp_path: Path):
     assert proposer.propose(ctx).patch != proposal.patch  # never the same candidate twice
 
 
-def test_llm_error_is_not_a_proposer_exhausted_unless_fatal():
+def test_llm_errors_know_nothing_of_proposers():
     from agent.proposers.base import ProposerExhausted
 
-    assert not isinstance(LlmTransientError("x"), ProposerExhausted)
-    assert isinstance(LlmAuthError("x"), ProposerExhausted) and isinstance(LlmAuthError("x"), LlmError)
+    for error in (LlmTransientError("x"), LlmAuthError("x"), ReplayExhausted("x")):
+        assert not isinstance(error, ProposerExhausted)
+    assert isinstance(LlmAuthError("x"), LlmError) and LlmAuthError("x").record() == "auth: x"
+    assert not isinstance(ReplayExhausted("x"), LlmError)  # nothing retries or records it as a failed call
+    assert ProposerExhausted("done").kind == "exhausted" and ProposerExhausted("bad key", kind="fatal").kind == "fatal"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.models import LlmAuthError, LlmFatalError, OpenAIModel, ReplayModel
+from agent.models import LlmAuthError, OpenAIModel, ReplayModel
 from agent.proposers.base import Attempt, ProposalContext, ProposerExhausted
 from agent.proposers.llm import LlmProposer
 from agent.surface import surface_allows
@@ -313,7 +313,7 @@ def test_truncated_empty_and_garbage_answers_are_recorded_and_skipped(server, ch
     assert calls[0].finish_reason == "length" and calls[1].response == ""
     assert calls[3].error.startswith("transient: broken stream")  # garbage bytes: no SSE answer at all
     assert calls[4].error is None and proposal.patch
-    assert run.proposer.stats.invalid == {"truncated": 1, "empty": 1, "parse": 1, "LLM call failed": 1}
+    assert run.proposer.stats.invalid == {"truncated": 1, "empty": 1, "parse": 1}
 
 
 @pytest.mark.parametrize("status", [401, 403])

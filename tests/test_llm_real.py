@@ -69,7 +69,7 @@ def test_small_real_model_proposes_against_the_cpu_task(tmp_path):
             events.append(type("Exhausted", (), {"kind": "exhausted", "reason": str(exc)})())
     stats = proposer.stats
     report = {"proposals_asked": PROPOSALS, "answers": stats.answers, "parsed": stats.parsed,
-              "applied": stats.applied, "proposals": stats.proposals, "invalid": stats.invalid,
+              "applied": stats.applied, "invalid": stats.invalid,
               "tokens_in": proposer.tokens_in, "tokens_out": proposer.tokens_out,
               "seconds": round(time.monotonic() - started, 1)}
     print("\nREAL_LLM_REPORT " + json.dumps(report))

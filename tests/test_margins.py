@@ -1,7 +1,7 @@
 import pytest
 
-from agent.checkpoint import Margins
 from agent.margins import margins_of, served_margins
+from agent.numerics import Margins
 from agent.parity import ReferenceFailed
 from agent.requests import RequestError
 from agent.task import Parity

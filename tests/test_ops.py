@@ -17,8 +17,9 @@ from agent.ops import pack_run
 from agent.task import load_task, with_overrides
 from agent.workspace import Workspace
 from traces import TraceWriter
-from traces.schema import (Commit, Decision, ParityReport, PatchApplied, Proposal, RunFinished, RunStarted,
-                           SelfParity)
+from agent.stats import estimate_speedup
+from traces.schema import (BenchReport, Commit, Decision, ParityReport, PatchApplied, Proposal, RunFinished,
+                           RunStarted, Sample, SelfParity)
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_ID = "20261201-010203-abcd"
@@ -43,7 +44,8 @@ class Run:
         self.workspace = Workspace(self.repo, RUN_ID, self.dir / "worktrees")
         base = self.workspace.create_branch("v0.32.0")
         task = with_overrides(load_task(ROOT / "tasks" / "gemma4-tiny-cpu.yaml"),
-                              budget={"max_candidates": 5, "wall_clock_s": 3600})
+                              budget={"max_candidates": 5, "wall_clock_s": 3600},
+                              acceptance={"min_speedup": 1.05, "confirmations": 0}, audit={"enabled": False})
         (self.dir / "task.json").write_text(task.model_dump_json(indent=2))
         log = self.dir / "servers" / "reference" / "server.log"
         log.parent.mkdir(parents=True)
@@ -66,14 +68,24 @@ class Run:
         files = self.workspace.apply(worktree, PATCH)
         self.trace.append(PatchApplied(candidate=n, worktree=str(worktree), parent_commit=self.workspace.head(),
                                        files=files, engine_args={}))
-        decision = self.trace.append(Decision(candidate=n, verdict="keep", stage="decision", reason="faster",
-                                              speedup=1.2, ci_low=1.1, ci_high=1.3))
+        decision = self.trace.append(self.benchmark(n, [1.2, 1.25, 1.15], "keep"))
         sha = self.workspace.commit(worktree, {}, f"nightshift: a faster module\n\nNightshift-Trace-Event: {decision}\n")
         self.trace.append(Commit(candidate=n, branch=self.workspace.branch, commit=sha, decision_sha256=decision))
 
+    def benchmark(self, n: int, ratios: list[float], verdict: str) -> Decision:
+        """A benchmark whose samples give these paired ratios, and the decision that follows from it."""
+        samples = [Sample(role=role, repetition=i, seconds=1.0, input_tokens=100, output_tokens=100,
+                          total_tokens_per_s=rate, output_tokens_per_s=rate / 2)
+                   for i, ratio in enumerate(ratios) for role, rate in (("incumbent", 1000.0), ("candidate", 1000 * ratio))]
+        e = estimate_speedup([1000 * r for r in ratios], [1000.0] * len(ratios), 1.05, 0.95)
+        self.trace.append(BenchReport(candidate=n, metric="total_tokens_per_s", samples=samples, speedup=e.speedup,
+                                      ci_low=e.ci_low, ci_high=e.ci_high, confidence=0.95, p_value=e.p_value,
+                                      output_check="every request returned exactly 32 tokens"))
+        return Decision(candidate=n, verdict=verdict, stage="decision", reason=verdict, speedup=e.speedup,
+                        ci_low=e.ci_low, ci_high=e.ci_high)
+
     def finish(self) -> None:
-        self.trace.append(Decision(candidate=2, verdict="discard", stage="decision", reason="not faster",
-                                   speedup=1.0, ci_low=0.9, ci_high=1.1))
+        self.trace.append(self.benchmark(2, [1.0, 1.1, 0.9], "discard"))
         self.trace.append(RunFinished(reason="budget: wall clock", candidates=2, kept=1, best_speedup=1.2,
                                       head_commit=self.workspace.head(), seconds=120.0))
         self.trace.close()
@@ -106,7 +118,7 @@ def test_status_of_a_running_run_shows_its_stage_and_exits_3(run):
     assert result.exit_code == 3, result.output
     assert "running: benchmarking (candidate 2)" in result.output
     assert "parity (candidate 2)" in result.output
-    assert "1 evaluated, 1 kept" in result.output and "1.200x" in result.output
+    assert "1 evaluated, 1 kept" in result.output and "1.199x" in result.output
     assert "4 candidate(s)" in result.output
 
 
@@ -125,7 +137,7 @@ def test_status_ignores_a_torn_last_line(run):
     result = cli.invoke(app, ["status", str(run.dir), "--json"])
     assert result.exit_code == 3, result.output
     status = json.loads(result.output)
-    assert status["torn_last_line"] and status["records"] == 8 and status["last_event"] == "parity"
+    assert status["torn_last_line"] and status["records"] == 9 and status["last_event"] == "parity"
 
 
 def test_status_of_a_finished_run_exits_0(run):
@@ -184,7 +196,7 @@ def test_pack_of_a_live_run_keeps_the_complete_lines(run, tmp_path):
     with open(run.dir / "trace.jsonl", "ab") as f:
         f.write(b'{"sha256":"01234')
     manifest = pack_run(run.dir, tmp_path / "live.tgz")
-    assert manifest["records"] == 8 and not manifest["finished"]
+    assert manifest["records"] == 9 and not manifest["finished"]
     folder = unpack(tmp_path / "live.tgz", tmp_path / "elsewhere")
     assert (folder / "trace.jsonl").read_bytes().endswith(b"}\n")
     shutil.rmtree(run.checkout)
@@ -214,7 +226,7 @@ def test_replay_refuses_a_changed_trace_byte(run, tmp_path):
     pack_run(run.dir, tmp_path / "run.tgz")
     folder = unpack(tmp_path / "run.tgz", tmp_path / "elsewhere")
     trace = folder / "trace.jsonl"
-    trace.write_bytes(trace.read_bytes().replace(b'"speedup":1.2', b'"speedup":1.9', 1))
+    trace.write_bytes(trace.read_bytes().replace(b'"summary":"a faster module"', b'"summary":"a slower module"', 1))
     shutil.rmtree(run.checkout)
     done = replay(folder)
     assert done.returncode == 1, done.stdout + done.stderr

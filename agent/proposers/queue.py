@@ -7,6 +7,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import yaml
+
 from agent.proposers.base import Attempt, ProposalContext, ProposerExhausted
 from traces.errors import NightshiftError
 from traces.schema import Proposal
@@ -33,6 +35,23 @@ def check_patch(path: Path) -> None:
         raise QueueError(f"{path}: not a patch git can read ({cause})")
 
 
+ARGS_HEADER = "Nightshift-Engine-Args:"
+
+
+def engine_args(path: Path, preamble: list[str]) -> dict:
+    """Serving flags a patch asks for, from a `Nightshift-Engine-Args: {max_num_seqs: 32}` line before its diff."""
+    line = next((line for line in preamble if line.startswith(ARGS_HEADER)), None)
+    if line is None:
+        return {}
+    try:
+        args = yaml.safe_load(line[len(ARGS_HEADER):])
+    except yaml.YAMLError as exc:
+        raise QueueError(f"{path}: {ARGS_HEADER} is not YAML: {exc}") from None
+    if not isinstance(args, dict):
+        raise QueueError(f"{path}: {ARGS_HEADER} must be a mapping, e.g. {{max_num_seqs: 32}}")
+    return args
+
+
 class QueueProposer:
     name = "queue"
     spend_usd = 0.0
@@ -46,16 +65,17 @@ class QueueProposer:
             raise QueueError(f"no .patch or .diff files in {folder}")
         for path in self.pending:
             check_patch(path)
+            engine_args(path, path.read_text().split("\ndiff --git", 1)[0].splitlines())
 
     def propose(self, ctx: ProposalContext) -> Proposal:
         if not self.pending:
             raise ProposerExhausted("every patch in the queue was evaluated")
         path = self.pending.pop(0)
         text = path.read_text()
-        subject = next((line[len("Subject:"):].strip() for line in text.splitlines()
-                        if line.startswith("Subject:")), path.stem)
+        preamble = text.split("\ndiff --git", 1)[0].splitlines()
+        subject = next((line[len("Subject:"):].strip() for line in preamble if line.startswith("Subject:")), path.stem)
         return Proposal(candidate=ctx.candidate, proposer=self.name, summary=subject, patch=text,
-                        meta={"file": path.name})
+                        engine_args=engine_args(path, preamble), meta={"file": path.name})
 
     def observe(self, attempt: Attempt) -> None:
         pass
