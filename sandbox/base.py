@@ -26,7 +26,7 @@ UNLIMITED = httpx.Limits(max_connections=None, max_keepalive_connections=None)
 
 @functools.cache
 def tls_context() -> ssl.SSLContext:
-    """Built once: every client (a health probe each second, one per benchmark lane) would otherwise
+    """Built once: every client (a health probe every half second, one per benchmark lane) would otherwise
     load the CA bundle again (~35 ms each), though the servers speak plain HTTP."""
     return ssl.create_default_context()
 

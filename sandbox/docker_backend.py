@@ -232,6 +232,9 @@ class DockerSandbox:
         wait_healthy(server, spec.startup_timeout_s)
         return server
 
+    def export_cache(self, server: DockerServer, dest: Path) -> None:
+        """Nothing: a container's caches stay on its tmpfs, and every container starts with empty ones."""
+
     def check_gpus_idle(self, gpus: list[int]) -> None:
         """The first sight of a GPU sets its idle level; later, wait for it to come back there."""
         for gpu, mib in (gpu_memory_used_mib(gpus) or {}).items():

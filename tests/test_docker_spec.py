@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from sandbox.base import ServerSpec
+from sandbox.base import SandboxError, ServerSpec, wait_healthy
 from sandbox.config import SandboxConfig
-from sandbox.docker_backend import DockerSandbox, GpuNotIdle
+from sandbox.docker_backend import DockerSandbox, DockerServer, GpuNotIdle
 from sandbox.docker_spec import IO, MODEL, RECORDER, SCRATCH, TREE, container_spec
 from sandbox.gpu_idle import gpu_memory_used_mib, wait_until_idle
 
@@ -203,3 +203,42 @@ def test_reaping_tells_a_dead_harness_from_a_live_one():
     assert not owner_alive(f"{host}:{pid}:{int(start) + 1}")  # the pid was reused by another process
     assert owner_alive(f"another-host:{pid}:{start}")  # cannot tell: keep it
     assert not owner_alive("garbage")
+
+
+class FakeContainer:
+    """What the startup wait sees of a container: its state, logs, stop and remove."""
+
+    def __init__(self, state: dict):
+        self.attrs, self.stopped, self.removed = {"State": state}, False, False
+
+    def reload(self):
+        pass
+
+    def logs(self, tail):
+        return b"RuntimeError: operator torchvision::nms does not exist\n"
+
+    def stop(self, timeout):
+        self.stopped = True
+
+    def remove(self, force):
+        self.removed = True
+
+
+@pytest.mark.parametrize("state, outcome, message", [
+    ({"Running": False, "Status": "exited", "ExitCode": 1}, "crash", "server exited during startup (exit code 1)"),
+    ({"Running": False, "Status": "exited", "ExitCode": 137, "OOMKilled": True}, "oom", "(exit code 137)"),
+    ({"Running": True, "Status": "running"}, "timeout", "server not healthy after 1s; killed and removed"),
+])
+def test_a_container_that_fails_to_start_is_removed_at_once(paths, state, outcome, message):
+    container = FakeContainer(state)
+    server = DockerServer(gpu_spec(paths, gpus=[]), container, paths["io"], [], {})
+    with pytest.raises(SandboxError) as caught:
+        wait_healthy(server, 1)
+    assert caught.value.outcome == outcome and message in str(caught.value)
+    assert container.removed and not container.stopped  # killed, no grace period
+    assert server.stop() == outcome and not paths["io"].exists()
+
+
+def test_containers_export_no_compile_caches(paths):
+    DockerSandbox(SandboxConfig(backend="docker"), paths["run"]).export_cache(None, paths["run"] / "seed")
+    assert not (paths["run"] / "seed").exists()

@@ -1,4 +1,5 @@
 """End to end on the real vLLM CPU build: real servers, real git, real parity and benchmark."""
+import json
 from pathlib import Path
 
 import git
@@ -44,6 +45,36 @@ def flags_run(tmp_path_factory, vllm_checkout):
                     budget={"max_candidates": 2})
 
 
+@pytest.fixture(scope="module")
+def adversarial_run(tmp_path_factory, vllm_checkout):
+    return run_task(tmp_path_factory.mktemp("adversarial"), vllm_checkout,
+                    proposer={"kind": "queue", "patches": str(ROOT / "tests" / "fixtures" / "adversarial")},
+                    budget={"max_candidates": 2})
+
+
+def test_patches_right_alone_and_wrong_in_batches_are_rejected_at_the_audit(adversarial_run):
+    """Both patches change only Gemma 4's compute_logits, and only when a forward step samples several
+    sequences: parity (one request at a time) sees the unmodified model. With max_num_seqs 32 they are
+    faster; the audit of the benchmark's own outputs on the reference rejects them, naming the position."""
+    setup, finished, records = adversarial_run
+    decisions = {d.candidate: d for d in events(records, "decision")}
+    for n in (1, 2):
+        parity = next(p for p in events(records, "parity") if p.candidate == n)
+        assert parity.ok, f"candidate {n} must pass parity for this test to mean anything"
+        bench = next(b for b in events(records, "benchmark") if b.candidate == n)
+        assert bench.liveness.imported_patched == ["vllm/model_executor/models/gemma4.py"]
+        token_audit = next(a for a in events(records, "audit") if a.candidate == n)
+        assert token_audit.requests == 5 * 32 and token_audit.tokens == 5 * 32 * 32
+        assert token_audit.violation_count > 0
+        v = token_audit.violations[0]
+        assert (decisions[n].verdict, decisions[n].stage) == ("discard", "audit"), decisions[n].reason
+        assert f"request {v.request}, position {v.position}: returned {v.returned}" in decisions[n].reason
+        assert not [b for b in events(records, "benchmark") if b.candidate == n and b.confirmation]
+    crosstalk = next(a for a in events(records, "audit") if a.candidate == 1)
+    assert crosstalk.deficits.max > 3  # another sequence's token: far below the top-1
+    assert finished.kept == 0 and audit(setup.run_dir).commits == 0
+
+
 def test_queue_run_rejects_each_bad_patch_at_its_stage(queue_run):
     setup, finished, records = queue_run
     assert events(records, "self_parity")[0].ok
@@ -75,7 +106,13 @@ def test_flags_search_commits_a_real_improvement(flags_run):
     message = repo.commit(commit.commit).message
     assert f"Nightshift-Trace-Event: {commit.decision_sha256}" in message
     assert "Nightshift-Speedup:" in message and "Nightshift-Parity:" in message
+    assert "Nightshift-Audit: " in message and " 0 violations" in message
     assert audit(setup.run_dir).commits == 1
+    summary = json.loads((setup.run_dir / "summary.json").read_text())
+    calibration = summary["audit_calibration"]  # the A/A: the baseline's own outputs under load
+    assert calibration["calibration"] and calibration["tokens"] == 32 * 32 and calibration["violation_count"] == 0
+    kept = next(c for c in summary["candidates"] if c["verdict"] == "keep")
+    assert kept["audit"]["tokens"] == 2 * 5 * 32 * 32 and kept["audit"]["violations"] == 0
     assert review_tables(setup.run_dir)[0].row_count == 1
     assert finished.reason.startswith(("proposer exhausted", "budget"))
 

@@ -7,8 +7,10 @@ import sys
 import time
 from pathlib import Path
 
-from sandbox.base import ServerSpec, serve_argv
-from sandbox.local import RECORDER, LocalSandbox, _alive, server_env
+import pytest
+
+from sandbox.base import SandboxError, ServerSpec, serve_argv
+from sandbox.local import RECORDER, LocalSandbox, LocalServer, _alive, free_port, server_env, wait_healthy
 
 
 def spec(tmp_path, **kw) -> ServerSpec:
@@ -133,3 +135,31 @@ def test_servers_start_from_the_exported_caches_only(tmp_path):
     seen = json.loads((candidate.home / "seen.json").read_text())
     assert seen["cached"] == [".triton/cache/kernel-baseline"]
     assert sorted(p.name for p in (seed / ".triton" / "cache").iterdir()) == ["kernel-baseline"]
+
+
+def _server(tmp_path, code: str) -> LocalServer:
+    log = tmp_path / "server.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    (tmp_path / "tmp").mkdir()
+    return LocalServer(spec(tmp_path), process, free_port(), tmp_path, log, tmp_path / "imports.txt", tmp_path / "tmp")
+
+
+def test_a_server_that_hangs_at_start_is_killed_at_the_timeout(tmp_path):
+    server = _server(tmp_path, "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                               "print('ignoring SIGTERM', flush=True); time.sleep(600)")
+    started = time.monotonic()
+    with pytest.raises(SandboxError, match="timeout: server not healthy after 2s") as caught:
+        wait_healthy(server, 2)
+    assert time.monotonic() - started < 6  # no grace period for a server that never answered
+    assert server.process.returncode == -signal.SIGKILL and "ignoring SIGTERM" in caught.value.logs
+    assert not (tmp_path / "tmp").exists()
+
+
+def test_a_server_that_exits_at_start_is_a_crash_with_its_exit_code(tmp_path):
+    server = _server(tmp_path, "import sys; print('ValueError: no such kernel', flush=True); sys.exit(3)")
+    with pytest.raises(SandboxError) as caught:
+        wait_healthy(server, 30)
+    assert caught.value.outcome == "crash"
+    assert str(caught.value) == "crash: server exited during startup (exit code 3): ValueError: no such kernel"

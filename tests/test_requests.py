@@ -5,7 +5,7 @@ import json
 import pytest
 
 from agent.load import LoadClient
-from agent.requests import RequestError, complete_all
+from agent.requests import RequestError, complete_all, completion_body
 from sandbox.base import Endpoint
 
 
@@ -81,3 +81,10 @@ def test_a_failing_request_in_a_client_process_surfaces_as_a_request_error():
 
     with pytest.raises(RequestError, match="ConnectError"):
         asyncio.run(main())
+
+
+def test_the_completion_body_is_greedy_and_extra_fields_come_last():
+    assert completion_body([5, 6], 3) == {"model": "model", "prompt": [5, 6], "max_tokens": 3, "temperature": 0.0,
+                                          "ignore_eos": True, "return_token_ids": True, "stream": False, "seed": 0}
+    body = completion_body([5], 1, stream=True, prompt_logprobs=1, seed=7)
+    assert body["stream"] is True and body["prompt_logprobs"] == 1 and body["seed"] == 7

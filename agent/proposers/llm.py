@@ -125,9 +125,9 @@ class LlmProposer:
         recorded = self.redactor.obj(messages)
 
         def failed(error: LlmError, latency: float) -> None:
-            self._record(ctx, LlmCall(candidate=ctx.candidate, model=self.model.name, params=params, messages=recorded,
-                               response=None, finish_reason=None, latency_s=round(latency, 3),
-                               error=self.redactor.text(error.record())))
+            self._record(ctx, LlmCall(candidate=ctx.candidate, model=self.model.name, params=params,
+                                      messages=recorded, response=None, finish_reason=None,
+                                      latency_s=round(latency, 3), error=self.redactor.text(error.record())))
 
         kwargs: dict[str, Any] = {}
         if self._sleep is not None:
@@ -142,10 +142,10 @@ class LlmProposer:
         self.tokens_in += usage.get("prompt_tokens", 0)
         self.tokens_out += usage.get("completion_tokens", 0)
         self.spend_usd += cost
-        self._record(ctx, LlmCall(candidate=ctx.candidate, model=completion.model or self.model.name, params=params,
-                           messages=recorded, response=completion.text,
-                           finish_reason=completion.finish_reason, usage=usage, cost_usd=round(cost, 8),
-                           latency_s=round(completion.latency_s, 3)))
+        self._record(ctx, LlmCall(candidate=ctx.candidate, model=completion.model or self.model.name,
+                                  params=params, messages=recorded, response=completion.text,
+                                  finish_reason=completion.finish_reason, usage=usage, cost_usd=round(cost, 8),
+                                  latency_s=round(completion.latency_s, 3)))
         return completion
 
     def _record(self, ctx: ProposalContext, event: AnyEvent) -> None:

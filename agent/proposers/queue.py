@@ -38,6 +38,10 @@ def check_patch(path: Path) -> None:
 ARGS_HEADER = "Nightshift-Engine-Args:"
 
 
+def has_diff(text: str) -> bool:
+    return any(line.startswith(("diff --git", "--- ")) for line in text.splitlines())
+
+
 def engine_args(path: Path, preamble: list[str]) -> dict:
     """Serving flags a patch asks for, from a `Nightshift-Engine-Args: {max_num_seqs: 32}` line before its diff."""
     line = next((line for line in preamble if line.startswith(ARGS_HEADER)), None)
@@ -64,8 +68,10 @@ class QueueProposer:
         if not self.pending:
             raise QueueError(f"no .patch or .diff files in {folder}")
         for path in self.pending:
+            args = engine_args(path, path.read_text().split("\ndiff --git", 1)[0].splitlines())
+            if args and not has_diff(path.read_text()):
+                continue  # serving flags only
             check_patch(path)
-            engine_args(path, path.read_text().split("\ndiff --git", 1)[0].splitlines())
 
     def propose(self, ctx: ProposalContext) -> Proposal:
         if not self.pending:
@@ -74,7 +80,8 @@ class QueueProposer:
         text = path.read_text()
         preamble = text.split("\ndiff --git", 1)[0].splitlines()
         subject = next((line[len("Subject:"):].strip() for line in preamble if line.startswith("Subject:")), path.stem)
-        return Proposal(candidate=ctx.candidate, proposer=self.name, summary=subject, patch=text,
+        return Proposal(candidate=ctx.candidate, proposer=self.name, summary=subject,
+                        patch=text if has_diff(text) else "",
                         engine_args=engine_args(path, preamble), meta={"file": path.name})
 
     def observe(self, attempt: Attempt) -> None:
