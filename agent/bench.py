@@ -43,7 +43,7 @@ def outputs_sha256(prompts: list[list[int]], outputs: list[list[int]]) -> str:
 
 
 def save_passes(folder: Path, name: str, passes: list[Pass]) -> Path:
-    """Every pass's prompts and returned token ids, gzipped JSON (the samples carry their sha256)."""
+    """Every pass's prompts and returned token ids, gzipped JSON (each sample records their sha256)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.json.gz"
     records = [{"role": p.sample.role, "repetition": p.sample.repetition, "sha256": p.sample.outputs_sha256,

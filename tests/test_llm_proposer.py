@@ -408,7 +408,7 @@ def test_repair_gets_the_build_error_and_is_bounded(server, checkout, key):
     assert run.proposer.repairs == 1
 
 
-def test_parity_failure_repair_carries_the_divergence(server, checkout, key):
+def test_parity_failure_repair_names_the_divergence(server, checkout, key):
     server.push({"text": VALID}, {"text": VALID_2})
     run = Run(make_task(server.base_url, repair_turns=2), checkout)
     first = run.propose()
