@@ -13,7 +13,7 @@ from agent.evidence import check_decisions
 from agent.workspace import SERVE_FILE
 from traces import TraceError, read_trace
 from traces.errors import NightshiftError
-from traces.schema import Commit, Decision, PatchApplied, Record, RunStarted
+from traces.schema import Commit, Decision, PatchApplied, Record, Resumed, RunStarted
 
 TRAILER = "Nightshift-Trace-Event:"
 BUNDLE = "branch.bundle"
@@ -37,6 +37,8 @@ class AuditResult:
     notes: list[str] = field(default_factory=list)
     decisions: int = 0
     """Decisions re-derived from their recorded evidence (samples, intervals, audits)."""
+    pending_commit: str = ""
+    """With `pending`: the branch's last commit, made for the trace's last record (a keep) but not recorded."""
 
 
 def resolve_run(run: str, runs_dir: Path) -> Path:
@@ -47,9 +49,11 @@ def resolve_run(run: str, runs_dir: Path) -> Path:
     raise RunNotFound(f"no run at {run} (looked for trace.jsonl there and in {runs_dir})")
 
 
-def audit(run_dir: Path) -> AuditResult:
-    """Raises TraceError naming the first bad record (1-based line)."""
-    records = read_trace(Path(run_dir) / "trace.jsonl")
+def audit(run_dir: Path, records: list[Record] | None = None, pending: bool = False) -> AuditResult:
+    """Raises TraceError naming the first bad record (1-based line). `records`: the trace's records, if read
+    already. `pending`: a run killed between a keep and its commit record may have one commit more, whose
+    trailer names that keep (the trace's last record but `resumed` ones)."""
+    records = records if records is not None else read_trace(Path(run_dir) / "trace.jsonl")
     started: RunStarted = records[0].event
     by_sha = {r.sha256: r for r in records}
     commit_records = [r for r in records if isinstance(r.event, Commit)]
@@ -68,8 +72,7 @@ def audit(run_dir: Path) -> AuditResult:
             raise TraceError(line, f"commit {event.commit[:12]} is not on branch {started.branch}")
         if shas[index] != event.commit:
             raise TraceError(line, f"branch has {shas[index][:12]} where the trace says {event.commit[:12]}")
-        message = repo.commit(event.commit).message
-        trailer = next((l.split(":", 1)[1].strip() for l in message.splitlines() if l.startswith(TRAILER)), "")
+        trailer = trace_event_of(repo.commit(event.commit).message)
         if trailer != event.decision_sha256:
             raise TraceError(line, f"commit {event.commit[:12]} has trace event {trailer[:12] or 'none'}, "
                                    f"not {event.decision_sha256[:12]}")
@@ -82,13 +85,26 @@ def audit(run_dir: Path) -> AuditResult:
         extra = changed - set(applied.files if applied else []) - {SERVE_FILE}
         if extra:
             raise TraceError(line, f"commit changes files the candidate's patch did not: {sorted(extra)}")
+    pending_commit = ""
+    if pending and len(shas) == len(commit_records) + 1 and isinstance(_tail(records).event, Decision) \
+            and trace_event_of(repo.commit(shas[-1]).message) == _tail(records).sha256:
+        pending_commit = shas.pop()
     if len(shas) > len(commit_records):
         raise TraceError(len(records), f"branch has {len(shas) - len(commit_records)} commit(s) the trace "
                                        f"does not account for, first {shas[len(commit_records)][:12]}")
     finished = records[-1].event.kind == "run_finished"
     notes = [] if finished else ["the run did not finish (no run_finished record): it crashed or is still running"]
     return AuditResult(records=len(records), commits=len(commit_records), finished=finished, notes=notes,
-                       decisions=decisions)
+                       decisions=decisions, pending_commit=pending_commit)
+
+
+def _tail(records: list[Record]) -> Record:
+    """The last record that is not a `resumed` one: a keep there may still be committed by a resumed run."""
+    return next((r for r in reversed(records) if not isinstance(r.event, Resumed)), records[0])
+
+
+def trace_event_of(message: str) -> str:
+    return next((l.split(":", 1)[1].strip() for l in message.splitlines() if l.startswith(TRAILER)), "")
 
 
 def _open_repo(run_dir: Path, started: RunStarted) -> git.Repo:
@@ -105,13 +121,13 @@ def _open_repo(run_dir: Path, started: RunStarted) -> git.Repo:
 
 
 def _applied(records: list[Record], candidate: int) -> PatchApplied | None:
-    return next((r.event for r in records if isinstance(r.event, PatchApplied) and r.event.candidate == candidate),
-                None)
+    return next((r.event for r in reversed(records)
+                 if isinstance(r.event, PatchApplied) and r.event.candidate == candidate), None)
 
 
 def _check_keeps_committed(records: list[Record], commits: list[Record]) -> None:
     committed = {r.event.decision_sha256 for r in commits}
-    last = records[-1].sha256
+    last = _tail(records).sha256
     for record in records:
         if isinstance(record.event, Decision) and record.event.verdict == "keep" and record.sha256 not in committed \
                 and record.sha256 != last:

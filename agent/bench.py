@@ -4,6 +4,8 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import math
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,9 +13,10 @@ from typing import Callable
 
 import numpy as np
 
-from agent.load import LoadClient
+from agent import gpu_state
+from agent.load import LoadClient, steady_window
 from agent.requests import draw_prompts
-from agent.stats import SpeedupEstimate, estimate_speedup
+from agent.stats import SpeedupEstimate, plan_looks, sequential_estimate
 from agent.task import Task
 from agent.token_audit import Output
 from sandbox.base import Server
@@ -57,11 +60,38 @@ def _percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+def sample_metric(task: Task) -> str:
+    """The Sample field the decision reads: the steady-state figure unless benchmark.window is whole_pass."""
+    b = task.benchmark
+    return b.metric if b.window == "whole_pass" else f"steady_{b.metric}"
+
+
+def planned_looks(task: Task) -> list[int]:
+    b = task.benchmark
+    return plan_looks(b.repetitions, b.max_repetitions, b.look_every)
+
+
+def planned_repetitions(task: Task) -> int:
+    return planned_looks(task)[-1]
+
+
+def pass_size(task: Task, wave_seconds: float | None = None) -> int:
+    """Requests per timed pass: workload.waves waves, or whole waves filling workload.duration_s at the
+    measured time of one wave, or workload.num_prompts."""
+    w = task.workload
+    if w.waves:
+        return w.waves * w.concurrency
+    if w.duration_s and wave_seconds:
+        return max(1, round(w.duration_s / wave_seconds)) * w.concurrency
+    return w.num_prompts
+
+
 async def timed_pass(load: LoadClient, server: Server, role: str, repetition: int, prompts: list[list[int]],
-                     output_len: int, concurrency: int | None, timeout_s: float) -> Pass:
-    started = time.perf_counter()
-    result = await load.run(server.endpoint, prompts, output_len, concurrency, timeout_s)
-    seconds, completions = time.perf_counter() - started, result.completions
+                     output_len: int, concurrency: int | None, timeout_s: float, gpus: list[int] = ()) -> Pass:
+    with gpu_state.GpuMonitor(list(gpus), gpu_state.server_pids(server) if gpus else None) as gpu:
+        started = time.perf_counter()
+        result = await load.run(server.endpoint, prompts, output_len, concurrency, timeout_s)
+        seconds, completions = time.perf_counter() - started, result.completions
     outputs = [c.tokens for c in completions]
     short = [i for i, tokens in enumerate(outputs) if len(tokens) != output_len]
     if short:
@@ -71,20 +101,37 @@ async def timed_pass(load: LoadClient, server: Server, role: str, repetition: in
     output_tokens = sum(len(t) for t in outputs)
     ttft = [c.ttft_ms for c in completions if c.ttft_ms is not None]
     tpot = [c.tpot_ms for c in completions if c.tpot_ms is not None]
+    state = gpu.summary()
+    flags = gpu_state.flags(state)
+    lanes = min(concurrency or len(prompts), len(prompts))
+    window = steady_window(completions, [len(p) for p in prompts], lanes) if concurrency else None
+    if window is None:
+        flags.append("no steady state: " + (f"{lanes} requests were never in flight before the drain" if concurrency
+                                            else "no concurrency cap, every request sent at once") + "; whole pass used")
+        steady = (seconds, input_tokens, output_tokens)
+    else:
+        steady = (window.seconds, window.input_tokens, window.output_tokens)
     sample = Sample(role=role, repetition=repetition, seconds=seconds, input_tokens=input_tokens,
                     output_tokens=output_tokens, total_tokens_per_s=(input_tokens + output_tokens) / seconds,
                     output_tokens_per_s=output_tokens / seconds, ttft_ms_p50=_percentile(ttft, 50),
                     ttft_ms_p99=_percentile(ttft, 99), tpot_ms_p50=_percentile(tpot, 50),
                     tpot_ms_p99=_percentile(tpot, 99), client_cpu_s=round(result.cpu_s, 3),
-                    client_busy=round(result.busy, 3), outputs_sha256=outputs_sha256(prompts, outputs))
+                    client_busy=round(result.busy, 3), outputs_sha256=outputs_sha256(prompts, outputs),
+                    steady_seconds=steady[0], steady_total_tokens_per_s=(steady[1] + steady[2]) / steady[0],
+                    steady_output_tokens_per_s=steady[2] / steady[0], gpu=state, flags=flags)
     return Pass(sample, prompts, outputs)
 
 
-async def warm_up(load: LoadClient, server: Server, task: Task, vocab_size: int, seed: int) -> None:
-    if task.benchmark.warmup_requests:
-        prompts = draw_prompts(seed, task.benchmark.warmup_requests, task.workload.input_len, vocab_size)
-        await load.run(server.endpoint, prompts, task.workload.output_len, task.workload.concurrency,
-                       task.benchmark.request_timeout_s)
+async def warm_up(load: LoadClient, server: Server, task: Task, vocab_size: int, seed: int) -> float | None:
+    """The warm-up requests (at least one wave where passes are sized by duration); returns their seconds."""
+    w = task.workload
+    count = max(task.benchmark.warmup_requests, w.concurrency if w.duration_s else 0)
+    if not count:
+        return None
+    prompts = draw_prompts(seed, count, w.input_len, vocab_size)
+    started = time.perf_counter()
+    await load.run(server.endpoint, prompts, w.output_len, w.concurrency, task.benchmark.request_timeout_s)
+    return (time.perf_counter() - started) / math.ceil(count / (w.concurrency or count))
 
 
 @dataclass
@@ -94,13 +141,18 @@ class Comparison:
     note: str
     passes: list[Pass]
 
+    @property
+    def sequential(self):
+        return self.estimate.sequential
+
     def outputs(self, role: str) -> list[Output]:
         return [o for p in self.passes if p.sample.role == role for o in p.requests()]
 
 
 async def compare(task: Task, incumbent: Server, candidate: Server, vocab_size: int, seeds: list[int],
                   on_sample: Callable[[Sample], None] = lambda s: None) -> Comparison:
-    """Interleave incumbent and candidate (ABBA order) over fresh prompts for each repetition."""
+    """Interleave incumbent and candidate (ABBA order) over fresh prompts for each repetition, until the
+    stopping rule decides (a fixed count where benchmark.max_repetitions is unset)."""
     with LoadClient(task.benchmark.client_processes) as load:
         return await _compare(load, task, incumbent, candidate, vocab_size, seeds, on_sample)
 
@@ -109,30 +161,36 @@ async def calibration_passes(task: Task, server: Server, vocab_size: int, seeds:
     """Timed passes of the workload on one server (the baseline's A/A for the token audit)."""
     w, b = task.workload, task.benchmark
     with LoadClient(b.client_processes) as load:
-        await warm_up(load, server, task, vocab_size, seeds[0])
+        count = pass_size(task, await warm_up(load, server, task, vocab_size, seeds[0]))
         return [await timed_pass(load, server, "incumbent", repetition,
-                                 draw_prompts(seed, w.num_prompts, w.input_len, vocab_size), w.output_len,
-                                 w.concurrency, b.request_timeout_s)
+                                 draw_prompts(seed, count, w.input_len, vocab_size), w.output_len,
+                                 w.concurrency, b.request_timeout_s, task.sandbox.gpus)
                 for repetition, seed in enumerate(seeds[1:])]
 
 
 async def _compare(load: LoadClient, task: Task, incumbent: Server, candidate: Server, vocab_size: int,
                    seeds: list[int], on_sample: Callable[[Sample], None]) -> Comparison:
-    w, b = task.workload, task.benchmark
-    await warm_up(load, incumbent, task, vocab_size, seeds[0])
+    w, b, a = task.workload, task.benchmark, task.acceptance
+    wave_s = await warm_up(load, incumbent, task, vocab_size, seeds[0])
     await warm_up(load, candidate, task, vocab_size, seeds[0])
+    count = pass_size(task, wave_s)
+    looks, metric = planned_looks(task), sample_metric(task)
+    seeds = list(seeds) + [secrets.randbits(63) for _ in range(looks[-1] + 1 - len(seeds))]
     samples: list[Sample] = []
     kept: list[Pass] = []
+    logs: list[float] = []
+    signs: list[float] = []
     checked = 0
-    for repetition, seed in enumerate(seeds[1:]):
-        prompts = draw_prompts(seed, w.num_prompts, w.input_len, vocab_size)
+    estimate = None
+    for repetition, seed in enumerate(seeds[1:looks[-1] + 1]):
+        prompts = draw_prompts(seed, count, w.input_len, vocab_size)
         order = [("incumbent", incumbent), ("candidate", candidate)]
         if repetition % 2:
             order.reverse()
         passes = {}
         for role, server in order:
             passes[role] = await timed_pass(load, server, role, repetition, prompts, w.output_len, w.concurrency,
-                                            b.request_timeout_s)
+                                            b.request_timeout_s, task.sandbox.gpus)
             sample = passes[role].sample
             samples.append(sample)
             kept.append(passes[role])
@@ -146,10 +204,12 @@ async def _compare(load: LoadClient, task: Task, incumbent: Server, candidate: S
             if passes["candidate"].outputs != passes["incumbent"].outputs:
                 raise WorkMismatch(f"repetition {repetition}: benchmark tokens differ from the incumbent's")
             checked += len(prompts)
-    metric = b.metric
-    cand = [getattr(s, metric) for s in samples if s.role == "candidate"]
-    inc = [getattr(s, metric) for s in samples if s.role == "incumbent"]
-    estimate = estimate_speedup(cand, inc, task.acceptance.min_speedup, task.acceptance.confidence)
+        logs.append(math.log(getattr(passes["candidate"].sample, metric) / getattr(passes["incumbent"].sample, metric)))
+        signs.append(1.0 if order[0][0] == "incumbent" else -1.0)
+        if len(logs) in looks:
+            estimate, sequential = sequential_estimate(logs, signs, looks, a.confidence, a.min_speedup)
+            if sequential.stopped:
+                break
     note = (f"every request returned exactly {w.output_len} tokens"
             + (f"; {checked} outputs identical to the incumbent's" if b.check_tokens else
                "; tokens not compared with the incumbent's (batching is not invariant in this regime)"))
@@ -158,7 +218,7 @@ async def _compare(load: LoadClient, task: Task, incumbent: Server, candidate: S
 
 def report(candidate: int, task: Task, samples: list[Sample], estimate: SpeedupEstimate, proof, note: str,
            confirmation: int = 0):
-    return BenchReport(candidate=candidate, metric=task.benchmark.metric, samples=samples,
+    return BenchReport(candidate=candidate, metric=sample_metric(task), samples=samples,
                        speedup=estimate.speedup, ci_low=estimate.ci_low, ci_high=estimate.ci_high,
                        confidence=estimate.confidence, p_value=estimate.p_value, liveness=proof.liveness,
-                       output_check=note, confirmation=confirmation)
+                       output_check=note, confirmation=confirmation, sequential=estimate.sequential)

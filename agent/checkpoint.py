@@ -19,7 +19,8 @@ from agent.paths import cache_root
 from traces.errors import NightshiftError
 
 RECIPE = "hf-from-config-v1"
-KNOB_DEFAULTS = {"logit_scale": 1.0, "final_norm_scale": 1.0, "post_norm_scale": 1.0, "embedding_norm_sigma": 0.0}
+KNOB_DEFAULTS = {"logit_scale": 1.0, "final_norm_scale": 1.0, "post_norm_scale": 1.0, "embedding_norm_sigma": 0.0,
+                 "qk_norm_scale": 1.0}
 MANIFEST = "nightshift-checkpoint.json"
 SHARED_KV_SHARD = "model-shared-kv.safetensors"
 SPECIAL_TOKENS = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>"}
@@ -69,19 +70,20 @@ def prepare_model(task) -> CheckpointInfo:
     synthetic = model.synthetic
     return ensure_synthetic(synthetic.config, synthetic.seed, synthetic.logit_scale, model.dtype,
                             final_norm_scale=synthetic.final_norm_scale, post_norm_scale=synthetic.post_norm_scale,
-                            embedding_norm_sigma=synthetic.embedding_norm_sigma)
+                            embedding_norm_sigma=synthetic.embedding_norm_sigma, qk_norm_scale=synthetic.qk_norm_scale)
 
 
 def ensure_synthetic(config_path: Path, seed: int, logit_scale: float = 1.0, dtype: str = "bfloat16",
                      cache: Path | None = None, final_norm_scale: float = 1.0,
-                     post_norm_scale: float = 1.0, embedding_norm_sigma: float = 0.0) -> CheckpointInfo:
+                     post_norm_scale: float = 1.0, embedding_norm_sigma: float = 0.0,
+                     qk_norm_scale: float = 1.0) -> CheckpointInfo:
     """Write the checkpoint once per (config, seed, knobs); later calls return the cached one."""
     try:
         config = json.loads(Path(config_path).read_text())
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot read the synthetic model config {config_path}: {exc}") from None
     knobs = {"logit_scale": logit_scale, "final_norm_scale": final_norm_scale, "post_norm_scale": post_norm_scale,
-             "embedding_norm_sigma": embedding_norm_sigma}
+             "embedding_norm_sigma": embedding_norm_sigma, "qk_norm_scale": qk_norm_scale}
     device = init_device()
     key = hashlib.sha256(json.dumps(
         {"config": config, "seed": seed, "dtype": dtype, "recipe": RECIPE,
@@ -115,6 +117,7 @@ def init_device() -> str:
 
 
 POST_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm", "post_per_layer_input_norm")
+QK_NORMS = ("q_norm", "k_norm")
 
 
 def write_synthetic(config: dict, out: Path, seed: int, knobs: dict[str, float], dtype: str, device: str = "cpu"):
@@ -123,7 +126,14 @@ def write_synthetic(config: dict, out: Path, seed: int, knobs: dict[str, float],
     exp(sigma * z_i - sigma^2), z from seed + 1), `final_norm_scale` multiplies the final RMSNorm
     weight (all pre-softcap logits), and `post_norm_scale` every sub-layer post-norm weight
     (sub-layers outweigh the input token, which keeps free-running greedy output from repeating one
-    token when margins are raised). On Gemma 4 E2B (H200, transformers 5.14.1), sigma 0.5, final
+    token when margins are raised), and `qk_norm_scale` the q_norm and k_norm weights, which sets the
+    attention temperature: Gemma 4 scores attention with scale 1.0 on RMS-normalised queries and keys,
+    so with HF's init (norm weights of ones) the scores of a 256-wide head have a standard deviation of
+    16 and every softmax is an argmax. Such a network is chaotic: a rounding difference between two
+    correct kernels flips which key wins and the next token with it. On E2B with the post-norm point
+    below, bf16 eager and SDPA attention in HF agree on 30% of top-1 tokens (median deficit 3.3 nats);
+    qk_norm_scale 0.25 (scores' SD 1) brings that to near-ties only (benchmarks/results/h200-token-audit.md).
+    On Gemma 4 E2B (H200, transformers 5.14.1), sigma 0.5, final
     norm 2 and post-norm 16 gave teacher-forced margins of median 1.25 nats with 19.4 unique tokens
     per 32 of free-running greedy output (benchmarks/results/h200-gemma4-e2b.md)."""
     import torch
@@ -145,8 +155,11 @@ def write_synthetic(config: dict, out: Path, seed: int, knobs: dict[str, float],
             embedding.copy_((embedding.float() * factors[:, None]).to(embedding.dtype))
         model.get_decoder().norm.weight.mul_(knobs["final_norm_scale"])
         for name, module in model.named_modules():
-            if name.rsplit(".", 1)[-1] in POST_NORMS and getattr(module, "weight", None) is not None:
-                module.weight.mul_(knobs["post_norm_scale"])
+            leaf, weight = name.rsplit(".", 1)[-1], getattr(module, "weight", None)
+            if leaf in POST_NORMS and weight is not None:
+                weight.mul_(knobs["post_norm_scale"])
+            if leaf in QK_NORMS and weight is not None:
+                weight.mul_(knobs.get("qk_norm_scale", 1.0))
     margins = measure_margins(model, config["vocab_size"], seed)
     params = sum(p.numel() for p in model.parameters())
     model.save_pretrained(out)

@@ -5,6 +5,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import NoReturn, Optional
 
@@ -57,12 +58,19 @@ def run(
     quiet: bool = typer.Option(False, help="no live view"),
     detach: bool = typer.Option(False, help="run in the background: print the run id and its log, return at once"),
     run_id: Optional[str] = typer.Option(None, hidden=True),
+    resume: Optional[str] = typer.Option(None, help="continue a run whose harness was killed (run id or folder), "
+                                                    "with its recorded task"),
 ):
     """Run an optimization task; ends with a branch nightshift/<run-id> and runs/<run-id>/."""
     from agent.preflight import check_run
     from agent.proposers import make_proposer
     from agent.setup import new_run_id, prepare_run
 
+    if resume:
+        if settings or proposer or patches or max_candidates or checkout or run_id or detach:
+            fail("--resume continues the run's recorded task in the foreground; it takes no task options")
+        resume_loop(resume, runs_dir, quiet)
+        return
     task = with_settings(load_task(task_file), settings)
     if proposer == "queue" or patches:
         if not patches:
@@ -105,7 +113,17 @@ def start_detached(argv: list[str], runs_dir: Path, run_id: str) -> None:
     console.print(f"run [bold]{run_id}[/bold] started in the background (pid {child.pid}); log {log}", soft_wrap=True)
 
 
-def run_loop(setup, proposer, quiet: bool) -> None:
+def resume_loop(run: str, runs_dir: Path, quiet: bool, vllm_version: str | None = None, sandbox=None) -> None:
+    from agent.resume import describe, resume_run
+
+    started = time.monotonic()
+    setup, proposer, sandbox, state = resume_run(run, runs_dir, vllm_version=vllm_version, sandbox=sandbox)
+    console.print(f"run [bold]{setup.run_id}[/bold] {escape(describe(state.event))} "
+                  f"(checked in {time.monotonic() - started:.1f} s)", soft_wrap=True)
+    run_loop(setup, proposer, quiet, sandbox=sandbox, resume=state)
+
+
+def run_loop(setup, proposer, quiet: bool, sandbox=None, resume=None) -> None:
     from agent.loop import Loop
     from agent.report import write_summary
     from agent.view import LiveView
@@ -115,7 +133,7 @@ def run_loop(setup, proposer, quiet: bool) -> None:
     signal.signal(signal.SIGTERM, _terminate)
     try:
         with view:
-            finished = Loop(setup, proposer, on_event=view.update).run()
+            finished = Loop(setup, proposer, on_event=view.update, sandbox=sandbox, resume=resume).run()
     except NightshiftError as exc:
         write_summary(setup.run_dir)
         fail(f"run stopped at {exc.stage}: {exc} (the trace up to here: {trace})", 1)
@@ -139,8 +157,43 @@ def review(run: str = typer.Argument(..., help="run folder or run id"),
     from agent.audit import resolve_run
     from agent.report import review_tables
 
-    for table in review_tables(resolve_run(run, runs_dir)):
+    run_dir = resolve_run(run, runs_dir)
+    for table in review_tables(run_dir):
         console.print(table)
+    from agent.html_report import write_report
+
+    console.print(f"report: {write_report(run_dir)}", soft_wrap=True, highlight=False)
+
+
+@app.command()
+def report(run: str = typer.Argument(..., help="run folder or run id"),
+           runs_dir: Path = typer.Option(Path("runs"))):
+    """Write runs/<id>/report.html: one self-contained page (works offline) of the run and its verify grid."""
+    from agent.audit import resolve_run
+    from agent.html_report import write_report
+
+    console.print(f"report: {write_report(resolve_run(run, runs_dir))}", soft_wrap=True, highlight=False)
+
+
+@app.command()
+def verify(run: Optional[str] = typer.Argument(None, help="run folder or run id (or --checkout, --head)"),
+           runs_dir: Path = typer.Option(Path("runs")),
+           base: Optional[str] = typer.Option(None, help="baseline ref (default: the run's base commit)"),
+           head: Optional[str] = typer.Option(None, help="ref to verify (default: the run's branch)"),
+           checkout: Optional[Path] = typer.Option(None, help="a vLLM checkout, to verify --head without a run"),
+           task_file: Optional[Path] = typer.Option(None, "--task", help="task YAML for --checkout "
+                                                    "(default: the built-in CPU task)"),
+           input_lens: Optional[str] = typer.Option(None, help="e.g. 512,2048,8192 (default: the task's verify)"),
+           output_lens: Optional[str] = typer.Option(None, help="e.g. 128,256"),
+           concurrency: Optional[str] = typer.Option(None, help="e.g. 1,16,64,256"),
+           repetitions: Optional[int] = typer.Option(None, min=2, help="paired passes per cell"),
+           quiet: bool = typer.Option(False, help="no progress bars")):
+    """Measure the branch's head against its base over a grid of input/output lengths and concurrency.
+    Exit code 1: a cell regressed beyond its interval, failed parity or the audit, or failed to run."""
+    from agent.verify_cli import run_verify
+
+    raise typer.Exit(run_verify(console, run, runs_dir, base, head, checkout, task_file or DEFAULT_TASK,
+                                input_lens, output_lens, concurrency, repetitions, quiet))
 
 
 @app.command()

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import math
 
-from agent.stats import accepts, estimate_speedup
-from agent.task import Acceptance
+from agent.stats import accepts, estimate_speedup, order_signs, plan_looks, sequential_estimate
+from agent.task import Acceptance, Benchmark
 from agent.token_audit import audit_passed
 from traces import TraceError
-from traces.schema import BenchReport, Decision, Record, RunStarted, TokenAudit
+from traces.schema import BenchReport, Decision, Record, Resumed, RunStarted, TokenAudit
 
 TOLERANCE = 1e-9
 
@@ -24,6 +24,8 @@ def check_decisions(records: list[Record]) -> int:
     """Re-derives each decision at the benchmark, audit and decision stages; returns how many were checked."""
     started: RunStarted = records[0].event
     acceptance = Acceptance.model_validate(started.task.get("acceptance", {}))
+    b = Benchmark.model_validate(started.task.get("benchmark", {}))
+    planned = plan_looks(b.repetitions, b.max_repetitions, b.look_every)
     audited = bool(started.task.get("audit", {}).get("enabled", False))
     reports: dict[tuple[int, int], BenchReport] = {}
     audits: dict[tuple[int, int], TokenAudit] = {}
@@ -32,28 +34,64 @@ def check_decisions(records: list[Record]) -> int:
         event, line = record.event, record.seq + 1
         if isinstance(event, BenchReport):
             reports[event.candidate, event.confirmation] = event
-            _check_report(event, acceptance, line)
+            _check_report(event, acceptance, line, planned)
         elif isinstance(event, TokenAudit):
             audits[event.candidate, event.confirmation] = event
             if (event.violation_count == 0) != (event.deficits.max <= event.tolerance_nats):
                 raise TraceError(line, f"audit of candidate {event.candidate}: {event.violation_count} violations "
                                        f"do not follow from max deficit {event.deficits.max} against tol "
                                        f"{event.tolerance_nats}")
-        elif isinstance(event, Decision) and event.stage in ("audit", "decision"):
+        elif isinstance(event, Resumed):  # the candidate in flight is evaluated again: its old evidence is void
+            reports = {key: r for key, r in reports.items() if key[0] != event.candidate}
+            audits = {key: a for key, a in audits.items() if key[0] != event.candidate}
+        elif isinstance(event, Decision) and event.stage in ("audit", "decision") and event.verdict != "timeout":
             _check_decision(event, line, reports, audits, acceptance, audited)
             checked += 1
     return checked
 
 
-def _check_report(report: BenchReport, acceptance: Acceptance, line: int) -> None:
+def _check_report(report: BenchReport, acceptance: Acceptance, line: int, planned: list[int]) -> None:
     candidate = [getattr(s, report.metric) for s in report.samples if s.role == "candidate"]
     incumbent = [getattr(s, report.metric) for s in report.samples if s.role == "incumbent"]
-    estimate = estimate_speedup(candidate, incumbent, acceptance.min_speedup, acceptance.confidence)
+    if report.sequential is None:  # fixed repetitions, before the stopping rule was recorded
+        estimate = estimate_speedup(candidate, incumbent, acceptance.min_speedup, acceptance.confidence)
+    else:
+        estimate = _check_sequential(report, candidate, incumbent, acceptance, line, planned)
     if not (_close(report.speedup, estimate.speedup) and _close(report.ci_low, estimate.ci_low)
             and _close(report.ci_high, estimate.ci_high)):
         raise TraceError(line, f"benchmark of candidate {report.candidate}: its samples give "
                                f"{estimate.speedup:.4f}x [{estimate.ci_low:.4f}, {estimate.ci_high:.4f}], the record "
                                f"says {report.speedup:.4f}x [{report.ci_low:.4f}, {report.ci_high:.4f}]")
+
+
+def _check_sequential(report: BenchReport, candidate: list[float], incumbent: list[float], acceptance: Acceptance,
+                      line: int, planned: list[int]):
+    """The looks again from the samples: the planned looks and the boundaries from the spending function, each
+    statistic, and the stop at the first look that crossed a boundary, with no pair measured after it."""
+    recorded, where = report.sequential, f"benchmark of candidate {report.candidate}"
+    if recorded.planned != planned:
+        raise TraceError(line, f"{where}: planned looks {recorded.planned}, the task's benchmark plans {planned}")
+    logs = [math.log(c / i) for c, i in zip(candidate, incumbent)]
+    try:
+        estimate, derived = sequential_estimate(logs, order_signs([s.role for s in report.samples]), planned,
+                                                acceptance.confidence, acceptance.min_speedup)
+    except ValueError as exc:
+        raise TraceError(line, f"{where}: {exc}") from None
+    if recorded.spending != derived.spending or not _close(recorded.alpha, derived.alpha):
+        raise TraceError(line, f"{where}: recorded spending {recorded.spending} at alpha {recorded.alpha}, the task "
+                               f"gives {derived.spending} at alpha {derived.alpha}")
+    for got, want in zip(recorded.looks, derived.looks):
+        if got.pairs != want.pairs or not all(_close(getattr(got, f), getattr(want, f)) for f in
+                                              ("spent_alpha", "z_boundary", "boundary", "statistic")):
+            raise TraceError(line, f"{where}: look at {got.pairs} pairs does not follow from the samples and the "
+                                   f"spending function (statistic {got.statistic:.4f} vs {want.statistic:.4f}, "
+                                   f"boundary {got.boundary:.4f} vs {want.boundary:.4f})")
+    if len(recorded.looks) != len(derived.looks) or recorded.stopped != derived.stopped \
+            or derived.looks[-1].pairs != len(logs):
+        raise TraceError(line, f"{where}: stopped '{recorded.stopped}' after {len(recorded.looks)} looks and "
+                               f"{len(logs)} pairs, the rule stops '{derived.stopped}' after {len(derived.looks)} "
+                               f"looks at {derived.looks[-1].pairs} pairs")
+    return estimate
 
 
 def _check_decision(decision: Decision, line: int, reports: dict, audits: dict, acceptance: Acceptance,

@@ -21,6 +21,43 @@ class Load:
     """The busiest client process's CPU time over its wall time; near 1, the client was the limit."""
 
 
+@dataclass
+class Window:
+    """The steady state of a pass: from the first moment `lanes` requests were in flight to the first
+    completion after the last request was sent, when in-flight falls below `lanes` for good (the drain)."""
+
+    start: float
+    end: float
+    input_tokens: int
+    """Prompt tokens of the requests whose first token (the end of their prefill) arrived in the window."""
+    output_tokens: int
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+def steady_window(completions: list[Completion], prompt_lens: list[int], lanes: int) -> Window | None:
+    """None where the pass never held `lanes` requests in flight before its drain began."""
+    if not completions:
+        return None
+    events = sorted([(c.sent, 1) for c in completions] + [(c.done, -1) for c in completions])
+    level, start = 0, None
+    for at, step in events:
+        level += step
+        if level >= lanes:
+            start = at
+            break
+    last_sent = max(c.sent for c in completions)
+    end = min((c.done for c in completions if c.done > last_sent), default=None)
+    if start is None or end is None or end <= start:
+        return None
+    output = sum(n for c in completions for at, n in c.chunks if start <= at <= end)
+    prefilled = sum(k for c, k in zip(completions, prompt_lens)
+                    if c.first_token is not None and start <= c.first_token <= end)
+    return Window(start, end, prefilled, output)
+
+
 def _shard(endpoint: Endpoint, prompts: list[list[int]], max_tokens: int, lanes: int,
            timeout_s: float) -> tuple[list[Completion], float, float]:
     cpu, started = time.process_time(), time.perf_counter()

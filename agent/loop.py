@@ -3,7 +3,8 @@
 task -> Proposal -> PatchApplied -> Build -> ParityReport -> BenchReport -> TokenAudit -> Decision -> Commit
 Every arrow is one typed object (traces/schema.py) and one fsynced trace record. A candidate's
 worktree and servers belong to its Trial; the run's own servers (the reference, the incumbent)
-belong to the ServerPool, which stops each exactly once.
+belong to the ServerPool, which stops each exactly once. A run killed midway continues from its trace
+and branch (`resume`, agent/resume.py): the baseline phase again, then the candidate that was in flight.
 """
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from agent import bench, liveness
+from agent import bench, liveness, noise
 from agent.build import BuildError, build
 from agent.margins import served_margins
 from agent.parity import check_parity
@@ -26,12 +27,15 @@ from agent.stats import accepts
 from agent.surface import engine_args_violation, surface_violation
 from agent.token_audit import audit_passed, describe, run_audit, trailer
 from agent.trial import Trial
-from agent.workspace import ApplyError
+from agent.workspace import ApplyError, serve_args_at
 from sandbox import make_sandbox
 from sandbox.base import Sandbox, SandboxError, Server
 from traces.errors import NightshiftError
 from traces.schema import (AnyEvent, BenchReport, Commit, Decision, PatchApplied, Proposal, RunFinished, SampleTaken,
                            SelfParity, Stage, TokenAudit)
+
+if TYPE_CHECKING:
+    from agent.resume import Resumption
 
 
 class Rejected(Exception):
@@ -57,12 +61,13 @@ class Incumbent:
 
 class Loop:
     def __init__(self, setup: RunSetup, proposer: Proposer, on_event: Callable[[AnyEvent], None] = lambda e: None,
-                 sandbox: Sandbox | None = None):
+                 sandbox: Sandbox | None = None, resume: Resumption | None = None):
         self.s, self.task, self.proposer, self.on_event = setup, setup.task, proposer, on_event
         self.pool = ServerPool(self.task, sandbox or make_sandbox(self.task.sandbox, setup.run_dir), setup.model.path,
                                setup.run_id, setup.cache_seed)
-        self.history: list[Attempt] = []
-        self.best_speedup, self.kept = 1.0, 0
+        self.resume = resume
+        self.history: list[Attempt] = list(resume.history) if resume else []
+        self.best_speedup, self.kept = (resume.best_speedup, resume.kept) if resume else (1.0, 0)
         self.dedicated_parity = bool(self.task.parity.env or self.task.parity.args)
 
     def emit(self, event: AnyEvent) -> str:
@@ -71,7 +76,7 @@ class Loop:
         return sha
 
     def run(self) -> RunFinished:
-        started, reason = time.time(), "budget: candidates"
+        started, reason = time.time() - (self.resume.spent_s if self.resume else 0.0), "budget: candidates"
         try:
             with self.pool:
                 self.start()
@@ -96,14 +101,18 @@ class Loop:
 
     def start(self) -> None:
         """The baseline phase: two independent baseline servers must agree (self-parity), the reference's
-        margins are measured, and the token audit's tolerance is checked on the baseline under load."""
-        self.emit(self.s.run_started())
+        margins are measured, and the token audit's tolerance is checked on the baseline under load. A resumed
+        run first records a keep its harness decided but did not record as committed."""
+        self.emit(self.resume.event if self.resume else self.s.run_started())
+        if self.resume:
+            self.resume.settle_keep(self.s, self.emit)
         tree = self.s.baseline_tree()
         self.pool.trust(tree)
         args, dedicated = self.task.engine.args, self.dedicated_parity
         requests = [ServerRequest("reference", tree, args, dedicated), ServerRequest("baseline-2", tree, args, dedicated)]
         if dedicated:
             requests.append(ServerRequest("baseline-perf", tree, args))
+        requests[-1:-1] = peers = noise.peer_requests(self.task, tree, args, dedicated)
         servers = self.pool.start(requests)
         self.reference, second = servers[0], servers[1]
         report = self.parity(0, second)
@@ -123,6 +132,19 @@ class Loop:
             self.pool.release(second)
         self.incumbent = Incumbent(servers[-1], dict(args), tree)
         self.calibrate_audit()
+        noise.measure(self, servers[2:2 + len(peers)])
+        if self.s.workspace.head() != self.s.base_commit:
+            self.restore_incumbent()
+
+    def restore_incumbent(self) -> None:
+        """A resumed run's incumbent: the branch head, served with the flags of its nightshift.serve.yaml."""
+        tree = self.s.workspace.worktree("incumbent")
+        build(0, tree, [], bytecode_from=self.pool.trusted, link=self.s.linked)
+        args = serve_args_at(self.s.repo, self.s.workspace.head())
+        server = self.pool.start([ServerRequest("incumbent", tree, args)])[0]
+        if self.incumbent.server is not self.reference:
+            self.pool.release(self.incumbent.server)
+        self.incumbent = Incumbent(server, dict(args), tree)
 
     def calibrate_audit(self) -> None:
         """The A/A: the baseline production server's own outputs under the benchmark load, audited."""
@@ -140,15 +162,17 @@ class Loop:
                 f"it above {calibration.deficits.max:.3f} only if that is a numerics difference you accept")
 
     def step(self, n: int) -> None:
-        ctx = ProposalContext(task=self.task, candidate=n, checkout=self.incumbent.tree,
-                              incumbent_args=dict(self.incumbent.args), history=list(self.history),
-                              best_speedup=self.best_speedup, branch_diff=self.s.branch_diff(), record=self.emit)
-        proposal = self.proposer.propose(ctx)
-        proposal.candidate = n
-        self.emit(proposal)
+        proposal = self.resume.in_flight(n) if self.resume else None  # recorded before a kill: not proposed again
+        if proposal is None:
+            ctx = ProposalContext(task=self.task, candidate=n, checkout=self.incumbent.tree,
+                                  incumbent_args=dict(self.incumbent.args), history=list(self.history),
+                                  best_speedup=self.best_speedup, branch_diff=self.s.branch_diff(), record=self.emit)
+            proposal = self.proposer.propose(ctx)
+            proposal.candidate = n
+            self.emit(proposal)
         args = {**self.incumbent.args, **proposal.engine_args}
         audits: list[TokenAudit] = []
-        with Trial(n, self.pool, self.s.workspace) as trial:
+        with Trial(n, self.pool, self.s.workspace, self.task.budget.candidate_timeout_s) as trial:
             try:
                 self.check_surface(proposal, args)
                 files = self.apply(trial, proposal, args)
@@ -157,6 +181,10 @@ class Loop:
                 decision = self.evaluate(trial, production, files, audits)
             except Rejected as rejected:
                 decision = Decision(candidate=n, verdict=rejected.verdict, stage=rejected.stage, reason=rejected.reason)
+            if trial.disarm():
+                decision = Decision(candidate=n, verdict="timeout", stage=decision.stage,
+                                    reason=f"over budget.candidate_timeout_s ({self.task.budget.candidate_timeout_s:g}"
+                                           f" s), its servers killed; at {decision.stage}: {decision.reason}")
             decision_sha = self.emit(decision)
             if decision.verdict == "keep":
                 self.keep(proposal, decision, decision_sha, trial.hand_over(production), args, digest, audits)
@@ -248,7 +276,7 @@ class Loop:
         if proof.missing:
             raise Rejected("liveness", f"patched files never imported by the server: {proof.missing}")
         ceiling = self.task.benchmark.ceiling_tokens_per_s
-        fastest = max(getattr(s, self.task.benchmark.metric) for s in result.samples if s.role == "candidate")
+        fastest = max(getattr(s, report.metric) for s in result.samples if s.role == "candidate")
         if ceiling and fastest > ceiling:
             raise Rejected("benchmark", f"quarantined: {fastest:.0f} tok/s exceeds the roofline ceiling {ceiling:.0f}")
         return report, result.outputs("candidate")
@@ -265,6 +293,9 @@ class Loop:
         verdict = "keep" if accepts(report.ci_low, a.min_speedup) else "discard"
         reason = (f"speedup {report.speedup:.3f}x, {a.confidence:.0%} interval [{report.ci_low:.3f}, "
                   f"{report.ci_high:.3f}], p={report.p_value:.4f} against {a.min_speedup}x")
+        seq = report.sequential
+        if seq and len(seq.planned) > 1:
+            reason += f"; stopped ({seq.stopped}) at look {len(seq.looks)} of {len(seq.planned)}, {seq.looks[-1].pairs} pairs"
         if verdict != "keep":
             reason = f"not faster: {reason}"
         if report.confirmation:
@@ -275,13 +306,7 @@ class Loop:
     def keep(self, proposal: Proposal, decision: Decision, decision_sha: str, handed: tuple[Server, Path], args: dict,
              parity_digest: str, audits: list[TokenAudit]) -> None:
         n, (server, tree) = proposal.candidate, handed
-        message = (f"nightshift: {proposal.summary}\n\nCandidate {n} of run {self.s.run_id}, "
-                   f"proposed by {proposal.proposer}.\n\n"
-                   f"Nightshift-Speedup: {decision.speedup:.4f}x [{decision.ci_low:.4f}, {decision.ci_high:.4f}] "
-                   f"at {self.task.acceptance.confidence:.0%}\n"
-                   f"Nightshift-Parity: {parity_digest}\n"
-                   + (f"Nightshift-Audit: {trailer(audits)}\n" if audits else "")
-                   + f"Nightshift-Trace-Event: {decision_sha}\n")
+        message = commit_message(self.task, self.s.run_id, proposal, decision, decision_sha, parity_digest, audits)
         sha = self.s.workspace.commit(tree, args, message)
         self.emit(Commit(candidate=n, branch=self.s.workspace.branch, commit=sha, decision_sha256=decision_sha))
         previous, self.incumbent = self.incumbent, Incumbent(server, dict(args), tree)
@@ -291,3 +316,14 @@ class Loop:
             self.s.workspace.remove(previous.tree)
         self.kept += 1
         self.best_speedup *= decision.speedup
+
+
+def commit_message(task, run_id: str, proposal: Proposal, decision: Decision, decision_sha: str, parity_digest: str,
+                   audits: list[TokenAudit]) -> str:
+    return (f"nightshift: {proposal.summary}\n\nCandidate {proposal.candidate} of run {run_id}, "
+            f"proposed by {proposal.proposer}.\n\n"
+            f"Nightshift-Speedup: {decision.speedup:.4f}x [{decision.ci_low:.4f}, {decision.ci_high:.4f}] "
+            f"at {task.acceptance.confidence:.0%}\n"
+            f"Nightshift-Parity: {parity_digest}\n"
+            + (f"Nightshift-Audit: {trailer(audits)}\n" if audits else "")
+            + f"Nightshift-Trace-Event: {decision_sha}\n")

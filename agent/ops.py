@@ -36,6 +36,7 @@ IN_PROGRESS = {
     "benchmark": "deciding",
     "decision": "proposing the next candidate",
     "commit": "proposing the next candidate",
+    "resumed": "resumed: restarting the baseline servers",
 }
 
 

@@ -2,11 +2,13 @@
 stopped here exactly once. Servers of the unmodified baseline tree export their compile caches."""
 from __future__ import annotations
 
+import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.serve_args import split_args
 from agent.task import Task
 from sandbox.base import Sandbox, SandboxError, Server, ServerSpec
 
@@ -18,6 +20,8 @@ class ServerRequest:
     args: dict
     parity: bool = False
     """A parity server: the task's parity.env / parity.args on top (batch-invariant mode, say)."""
+    startup_timeout_s: float | None = None
+    """At most this long to start (a candidate's time left); engine.startup_timeout_s otherwise."""
 
 
 class ServerPool:
@@ -45,10 +49,13 @@ class ServerPool:
         env = {**engine.env, **(parity.env if request.parity else {})}
         args = {"dtype": self.task.model.dtype, "max_model_len": self.task.model.max_model_len, **request.args,
                 **(parity.args if request.parity else {})}
+        args, lever_env = split_args(args)
+        env = {**env, **lever_env}
         seed = self.cache_seed if self.cache_seed is not None and self.cache_seed.is_dir() else None
         return ServerSpec(name=request.name, labels={"nightshift.run": self.run_id, "nightshift.candidate": request.name},
                           source_tree=request.tree, model_dir=self.model_dir, engine_args=args, env=env,
-                          startup_timeout_s=engine.startup_timeout_s, gpus=self.task.sandbox.gpus, cache_seed=seed)
+                          startup_timeout_s=min(engine.startup_timeout_s, request.startup_timeout_s or math.inf),
+                          gpus=self.task.sandbox.gpus, cache_seed=seed)
 
     def _start_one(self, request: ServerRequest) -> Server:
         server = self.sandbox.start(self.spec(request))

@@ -48,6 +48,10 @@ def check_sandbox(config) -> None:
         from sandbox.docker_backend import connect
 
         connect().close()
+    if config.backend == "namespace":
+        from sandbox.namespace import probe
+
+        probe()  # raises NamespaceUnavailable where unshare cannot make the namespaces
 
 
 def check_checkout(task) -> None:
@@ -67,3 +71,7 @@ def check_run(task) -> None:
     check_sandbox(task.sandbox)
     check_checkout(task)
     check_vllm_install()
+    from agent.checkout import installed_vllm
+    from agent.serve_args import check_levers
+
+    check_levers(task, installed_vllm()[1])

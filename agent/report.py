@@ -7,9 +7,10 @@ from pathlib import Path
 from rich.table import Table
 
 from agent.token_audit import trailer
+from agent.view import noise_line
 from traces import read_trace
-from traces.schema import (BenchReport, Commit, Decision, ParityReport, PatchApplied, Proposal, RunFinished,
-                           SelfParity, TokenAudit)
+from traces.schema import (BenchReport, Commit, Decision, ParityReport, PatchApplied, Proposal, NoiseFloor,
+                           Resumed, RunFinished, SelfParity, TokenAudit)
 
 
 def _by_candidate(records) -> dict[int, dict]:
@@ -55,6 +56,10 @@ def write_summary(run_dir: Path) -> str:
     summary = {"run_id": records[0].event.run_id, "finished": finished.model_dump() if finished else None,
                "self_parity": self_parity.model_dump() if self_parity else None,
                "audit_calibration": audits[0][0].model_dump() if 0 in audits else None, "candidates": rows}
+    noise = [r.event for r in records if isinstance(r.event, NoiseFloor)]
+    summary["noise_floor"] = noise[-1].model_dump() if noise else None
+    summary["resumed"] = [{"at_record": r.seq + 1, **r.event.model_dump()} for r in records
+                          if isinstance(r.event, Resumed)]
     if any(r.event.kind == "llm_call" for r in records):
         from agent.proposers.funnel import llm_funnel
 
@@ -100,4 +105,12 @@ def review_tables(run_dir: Path) -> list[Table]:
         if decision and decision.verdict != "keep":
             rejected.add_row(str(n), events["proposal"].summary[:60], decision.verdict, decision.stage,
                              decision.reason[:160])
-    return [kept, rejected]
+    tables = [kept, rejected]
+    for record in records:
+        if isinstance(record.event, NoiseFloor):
+            noise = Table(title="noise floor (baseline A/A)")
+            for column in ("measured", "warning"):
+                noise.add_column(column)
+            noise.add_row(noise_line(record.event), record.event.warning or "none")
+            tables.append(noise)
+    return tables

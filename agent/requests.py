@@ -24,6 +24,8 @@ class Completion:
     sent: float = 0.0
     first_token: float | None = None
     done: float = 0.0
+    chunks: list[tuple[float, int]] = field(default_factory=list)
+    """(arrival time, token count) of each streamed chunk that carried tokens."""
 
     @property
     def ttft_ms(self) -> float | None:
@@ -76,9 +78,11 @@ async def complete(client: httpx.AsyncClient, prompt: list[int], max_tokens: int
             for choice in chunk.get("choices", []):
                 ids = choice.get("token_ids") or []
                 if ids:
+                    now = time.perf_counter()
                     if result.first_token is None:
-                        result.first_token = time.perf_counter()
+                        result.first_token = now
                     result.tokens.extend(int(t) for t in ids)
+                    result.chunks.append((now, len(ids)))
     result.done = time.perf_counter()
     return result
 

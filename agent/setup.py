@@ -3,6 +3,7 @@ model, the trace and the branch. Checked before anything is written: a run folde
 the task, the vLLM install, the checkout and the model are known to be usable."""
 from __future__ import annotations
 
+import fcntl
 import importlib.metadata
 import json
 import platform
@@ -27,6 +28,21 @@ from traces.schema import RunStarted
 
 class SetupError(NightshiftError, RuntimeError):
     pass
+
+
+class RunLocked(SetupError):
+    stage = "resume"
+
+
+def lock_run(run_dir: Path):
+    """Held while a harness runs the run (the kernel lets go when it dies): one harness per run folder."""
+    lock = open(Path(run_dir) / "run.lock", "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise RunLocked(f"run {Path(run_dir).name} is still running (another process holds {run_dir}/run.lock)")
+    return lock
 
 
 def new_run_id() -> str:
@@ -67,6 +83,8 @@ class RunSetup:
     """Candidate trees link the installed vLLM's compiled parts (off only for a pure-Python stand-in)."""
     cache_seed: Path | None = None
     """Compile caches kept across runs; only servers of the unmodified vLLM export to it."""
+    lock: object = None
+    """The run folder's lock (`lock_run`), held as long as this setup lives."""
 
     def run_started(self) -> RunStarted:
         return RunStarted(run_id=self.run_id, nightshift_version=agent.__version__, vllm_version=self.vllm_version,
@@ -98,6 +116,7 @@ def prepare_run(task: Task, runs_dir: Path, run_id: str | None = None, vllm_vers
     model = prepare_model(task)
     vocab_size = int(json.loads((model.path / "config.json").read_text())["vocab_size"])
     run_dir.mkdir(parents=True)
+    lock = lock_run(run_dir)
     (run_dir / "task.json").write_text(task.model_dump_json(indent=2))
     trace = TraceWriter(run_dir / "trace.jsonl")
     workspace = Workspace(repo, run_id, run_dir / "worktrees")
@@ -105,4 +124,4 @@ def prepare_run(task: Task, runs_dir: Path, run_id: str | None = None, vllm_vers
     seed = cache_root() / "compile-caches" / f"vllm-{version}"
     return RunSetup(task=task, run_id=run_id, run_dir=run_dir, repo=repo, model=model, vocab_size=vocab_size,
                     trace=trace, workspace=workspace, base_commit=base_commit, vllm_version=version,
-                    torch_version=_version("torch"), linked=linked, cache_seed=seed)
+                    torch_version=_version("torch"), linked=linked, cache_seed=seed, lock=lock)

@@ -27,13 +27,15 @@ class SyntheticModel(Strict):
     config: Path
     seed: int = 0
     logit_scale: float = Field(1.0, gt=0)
-    """Multiplies the tied embedding (see agent/checkpoint.py for all three knobs)."""
+    """Multiplies the tied embedding (see agent/checkpoint.py for all the knobs)."""
     final_norm_scale: float = Field(1.0, gt=0)
     """Multiplies the final norm weight: scales every logit, widening top-1/top-2 margins."""
     post_norm_scale: float = Field(1.0, gt=0)
     """Multiplies the sub-layer post-norm weights."""
     embedding_norm_sigma: float = Field(0.0, ge=0)
     """Log-normal spread of the embedding rows' norms (0: HF init as is)."""
+    qk_norm_scale: float = Field(1.0, gt=0)
+    """Multiplies the q_norm and k_norm weights: the attention temperature (agent/checkpoint.py)."""
 
 
 class ModelSpec(Strict):
@@ -62,6 +64,18 @@ class Workload(Strict):
     output_len: int = Field(gt=0)
     concurrency: int | None = Field(None, gt=0)
     """Requests in flight at once; unset sends them all together."""
+    waves: int | None = Field(None, gt=0)
+    """Size each timed pass as this many waves of `concurrency` requests (instead of num_prompts)."""
+    duration_s: float | None = Field(None, gt=0)
+    """Size each timed pass to last about this long, in whole waves, from the warm-up's request rate."""
+
+    @model_validator(mode="after")
+    def _sized_once(self):
+        if self.waves and self.duration_s:
+            raise ValueError("set at most one of waves or duration_s")
+        if (self.waves or self.duration_s) and not self.concurrency:
+            raise ValueError("waves and duration_s need a concurrency")
+        return self
 
 
 class Parity(Strict):
@@ -92,6 +106,15 @@ class Benchmark(Strict):
     benchmark is rejected. An event loop that busy on average is saturated at the pass's peak."""
     ceiling_tokens_per_s: float | None = Field(None, gt=0)
     """The roofline ceiling for the metric; a candidate measured above it is quarantined."""
+    window: Literal["steady_state", "whole_pass"] = "steady_state"
+    """What a pass's throughput is measured over: the window in which the load client holds its
+    concurrency (ramp-up and drain left out), or the whole pass. Both are recorded."""
+    max_repetitions: int | None = Field(None, ge=2)
+    """Above `repetitions`: add paired repetitions until the group-sequential rule decides (agent/stats.py)."""
+    look_every: int = Field(2, ge=1)
+    """Pairs between two looks of the sequential rule (even keeps each look's pairs in ABBA balance)."""
+    noise_floor: bool = True
+    """Before the first candidate, benchmark the baseline against an independent copy of itself (the A/A)."""
 
 
 class Acceptance(Strict):
@@ -118,6 +141,29 @@ class Audit(Strict):
     """Scoring requests in flight at once on the reference."""
 
 
+class Verify(Strict):
+    """`nightshift verify`: the baseline against the branch's head over a grid of workloads (agent/verify.py)."""
+
+    input_lens: list[int] = Field(default_factory=lambda: [512, 2048, 8192], min_length=1)
+    output_lens: list[int] = Field(default_factory=lambda: [128, 256], min_length=1)
+    concurrency: list[int] = Field(default_factory=lambda: [1, 16, 64, 256], min_length=1)
+    repetitions: int | None = Field(None, ge=2)
+    """Paired passes per cell; unset: benchmark.repetitions."""
+    waves: int = Field(2, ge=1)
+    """Requests per pass: waves x concurrency (at least min_prompts)."""
+    min_prompts: int = Field(8, ge=1)
+    kv_cache_gib: float | None = Field(None, gt=0)
+    """The most KV cache a verify server gets; unset: the task's own (engine.args.kv_cache_memory_bytes or
+    engine.env.VLLM_CPU_KVCACHE_SPACE), if it sets one."""
+
+    @model_validator(mode="after")
+    def _positive(self):
+        for name in ("input_lens", "output_lens", "concurrency"):
+            if any(v <= 0 for v in getattr(self, name)):
+                raise ValueError(f"verify.{name}: every value must be positive")
+        return self
+
+
 class EditSurface(Strict):
     include: list[str] = Field(min_length=1)
     """fnmatch globs over paths relative to the checkout root (`*` also matches `/`)."""
@@ -131,6 +177,9 @@ class Budget(Strict):
     wall_clock_s: float = Field(gt=0)
     max_usd: float | None = Field(None, ge=0)
     max_llm_tokens: int | None = Field(None, gt=0)
+    candidate_timeout_s: float | None = Field(None, gt=0)
+    """Wall clock one candidate may take, from its worktree to its decision; past it, its servers are killed
+    and it is decided `timeout` (a hung start or benchmark), and the run goes on."""
 
 
 class FlagsProposer(Strict):
@@ -189,6 +238,7 @@ class Task(Strict):
     benchmark: Benchmark = Field(default_factory=Benchmark)
     acceptance: Acceptance = Field(default_factory=Acceptance)
     audit: Audit = Field(default_factory=Audit)
+    verify: Verify = Field(default_factory=Verify)
     edit_surface: EditSurface
     budget: Budget
     proposer: ProposerSpec

@@ -1,7 +1,11 @@
 """One candidate's evaluation owns its worktree and every server it starts; on exit it releases
-them exactly once, whatever happened, except what a keep handed over to the run."""
+them exactly once, whatever happened, except what a keep handed over to the run. With a time limit
+(budget.candidate_timeout_s), its servers are killed when the time is up, which ends whatever waits on them."""
 from __future__ import annotations
 
+import dataclasses
+import threading
+import time
 from pathlib import Path
 
 from agent.pool import ServerPool, ServerRequest
@@ -10,16 +14,40 @@ from sandbox.base import Server
 
 
 class Trial:
-    def __init__(self, candidate: int, pool: ServerPool, workspace: Workspace):
+    def __init__(self, candidate: int, pool: ServerPool, workspace: Workspace, timeout_s: float | None = None):
         self.candidate, self.pool, self.workspace = candidate, pool, workspace
         self.tree: Path | None = None
         self.servers: list[Server] = []
         self.handed_over: Server | None = None
+        self.timeout_s, self.deadline, self.expired, self.armed = timeout_s, None, False, False
+        self._lock, self._timer = threading.Lock(), None
 
     def __enter__(self) -> Trial:
+        if self.timeout_s:
+            self.deadline, self.armed = time.monotonic() + self.timeout_s, True
+            self._timer = threading.Timer(self.timeout_s, self._expire)
+            self._timer.daemon = True
+            self._timer.start()
         return self
 
+    def _expire(self) -> None:
+        with self._lock:
+            if not self.armed:
+                return
+            self.expired, servers = True, list(self.servers)
+        for server in servers:
+            server.kill("timeout")
+
+    def disarm(self) -> bool:
+        """Stop the clock before the decision; True if the candidate's time ran out (its servers were killed)."""
+        with self._lock:
+            self.armed = False
+        if self._timer is not None:
+            self._timer.cancel()
+        return self.expired or (self.deadline is not None and time.monotonic() >= self.deadline)
+
     def __exit__(self, *exc) -> None:
+        self.disarm()
         for server in self.servers:
             if server is not self.handed_over:
                 self.pool.release(server)
@@ -33,8 +61,15 @@ class Trial:
         return self.tree
 
     def start(self, requests: list[ServerRequest]) -> list[Server]:
+        if self.deadline is not None:
+            left = max(0.1, self.deadline - time.monotonic())
+            requests = [dataclasses.replace(r, startup_timeout_s=left) for r in requests]
         servers = self.pool.start(requests)
-        self.servers.extend(servers)
+        with self._lock:
+            self.servers.extend(servers)
+            late = self.expired
+        for server in servers if late else []:
+            server.kill("timeout")
         return servers
 
     def release(self, server: Server) -> None:

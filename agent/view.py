@@ -12,8 +12,14 @@ from agent.task import Task
 STAGE_AFTER = {"run_started": "starting baseline servers", "self_parity": "self-parity checked",
                "proposal": "applying", "patch_applied": "building", "build": "starting server + parity",
                "parity": "benchmarking", "sample": "benchmarking", "benchmark": "deciding", "decision": "decided",
-               "commit": "committed",
+               "commit": "committed", "noise_floor": "noise floor measured", "resumed": "resumed: restarting the baseline servers",
                "llm_call": "asking the LLM", "proposal_invalid": "proposal invalid", "run_finished": "finished"}
+
+
+def noise_line(event) -> str:
+    return (f"noise floor (A/A, {event.repetitions} pairs): pass CV {event.cv_incumbent:.1%} / {event.cv_peer:.1%}, "
+            f"log-ratio SD {event.log_ratio_sd:.3f}, A/A {event.speedup:.3f}x, MDE {event.mde_speedup:.3f}x"
+            + (f" ({event.mde_speedup_max:.3f}x at {event.max_repetitions})" if event.mde_speedup_max else ""))
 
 
 class LiveView:
@@ -47,6 +53,14 @@ class LiveView:
                 self.best *= event.speedup
         if event.kind == "llm_call":
             self.spend += event.cost_usd
+        if event.kind == "noise_floor":
+            self.last = noise_line(event)
+            if event.warning:
+                self.console.print(f"[yellow]warning:[/yellow] {event.warning}")
+        if event.kind == "resumed":
+            self.started, self.kept, self.best = time.time() - event.spent_s, event.kept, event.best_speedup
+            self.candidate = event.candidate or event.candidates_done
+            self.last = f"resumed after record {event.after_seq + 1} ({event.after_event})"
         if self.live:
             self.live.update(self.render())
         else:

@@ -8,6 +8,10 @@ def make_sandbox(config: SandboxConfig, run_dir) -> Sandbox:
         from sandbox.docker_backend import DockerSandbox
 
         return DockerSandbox(config, run_dir)
+    if config.backend == "namespace":
+        from sandbox.namespace import NamespaceSandbox
+
+        return NamespaceSandbox(config, run_dir)
     from sandbox.local import LocalSandbox
 
     return LocalSandbox(config, run_dir)

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 class SandboxConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    backend: Literal["local", "docker"] = "local"
+    backend: Literal["local", "docker", "namespace"] = "local"
     image: str = "nightshift-sandbox:cpu"
     gpus: list[int] = Field(default_factory=list)
     memory_gb: float = Field(8, gt=0)

@@ -9,8 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
-import stat
 import tempfile
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from sandbox.base import Endpoint, Outcome, Reachable, SandboxError, ServerSpec,
 from sandbox.config import SandboxConfig
 from sandbox.docker_spec import IMPORT_LOG_NAME, LABEL, SANDBOX_UID, SOCKET_NAME, container_spec, slug
 from sandbox.gpu_idle import gpu_memory_used_mib, wait_until_idle
+from sandbox.host import open_for_reading, owner_alive, process_identity
 from traces.errors import NightshiftError
 
 log = logging.getLogger(__name__)
@@ -51,48 +50,6 @@ def connect() -> docker.DockerClient:
     except DockerException as exc:
         raise DockerUnavailable(f"no Docker engine reachable ({exc}); start one with "
                                 "scripts/docker-engine.sh") from None
-
-
-def process_identity(pid: int) -> str:
-    """host:pid:start-time, which a reused pid does not share."""
-    return f"{socket.gethostname()}:{pid}:{_start_time(pid)}"
-
-
-def _start_time(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return "?"
-
-
-def owner_alive(owner: str) -> bool:
-    """Whether the harness process that started a container still runs (other hosts: assume so)."""
-    try:
-        host, pid, start = owner.rsplit(":", 2)
-    except ValueError:
-        return False
-    if host != socket.gethostname():
-        return True
-    return pid.isdigit() and Path(f"/proc/{pid}").exists() and _start_time(int(pid)) == start
-
-
-def open_for_reading(root: Path) -> int:
-    """Make `root`'s files readable (and folders traversable) by others, for the container's
-    user; returns how many had to change. Weights and sources are not private; secrets are
-    never mounted in the first place."""
-    changed = 0
-    for path in [root, *root.rglob("*")]:
-        try:
-            mode = path.lstat().st_mode
-        except OSError:
-            continue
-        if stat.S_ISLNK(mode):
-            continue
-        wanted = mode | stat.S_IROTH | (stat.S_IXOTH if stat.S_ISDIR(mode) else 0)
-        if wanted != mode:
-            path.chmod(stat.S_IMODE(wanted))
-            changed += 1
-    return changed
 
 
 def classify(state: dict) -> Outcome:

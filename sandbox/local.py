@@ -125,8 +125,7 @@ class LocalSandbox:
             process = subprocess.Popen(argv, cwd=tmp, env=server_env(spec, home, import_log, source_tree, tmp),
                                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        start_new_session=True)
-        (home / "pid").write_text(str(process.pid))
-        (home / "owner").write_text(str(os.getpid()))
+        record_server(home, process.pid)
         server = LocalServer(spec, process, port, home, log, import_log, tmp)
         wait_healthy(server, spec.startup_timeout_s)
         return server
@@ -137,18 +136,68 @@ class LocalSandbox:
 
     def reap(self) -> int:
         """Kill the server process groups of runs (in the same runs folder) whose harness is gone."""
-        reaped = 0
-        for pid_file in self.root.parent.parent.glob("*/servers/*/pid"):
-            owner = pid_file.with_name("owner")
-            if owner.exists() and _alive(int(owner.read_text() or 0)):
-                continue
+        return reap_servers(self.root.parent.parent)
+
+
+def record_server(home: Path, pid: int) -> None:
+    """What `reap_servers` needs to find a server's process group after its harness died: the group's pid,
+    the harness's pid, and the leader's identity (boot and start time: a pid alone may be reused)."""
+    (home / "pid").write_text(str(pid))
+    (home / "owner").write_text(str(os.getpid()))
+    (home / "identity").write_text(process_identity(pid))
+
+
+def process_identity(pid: int) -> str:
+    """`<boot id> <start time>` of a running process; "" where /proc cannot tell."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        start = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+    return f"{boot} {start}"
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                members.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            pass
+    return members
+
+
+def _ours(pgid: int, recorded: str) -> bool:
+    """Whether process group PGID is still the server recorded (its leader may have died before the others)."""
+    if not recorded:
+        return True
+    if _alive(pgid):
+        return process_identity(pgid) == recorded
+    return process_identity(os.getpid()).split(" ")[0] == recorded.split(" ")[0] and bool(_group_members(pgid))
+
+
+def reap_servers(runs_root: Path) -> int:
+    """Kill the process group of every server under RUNS_ROOT/*/servers/ whose harness is gone; returns how many.
+    A group whose leader is not the process that was recorded (another boot, a reused pid) is left alone."""
+    reaped = 0
+    for pid_file in Path(runs_root).glob("*/servers/*/pid"):
+        owner, identity = pid_file.with_name("owner"), pid_file.with_name("identity")
+        if owner.exists() and _alive(int(owner.read_text() or 0)):
+            continue
+        try:
+            pgid = int(pid_file.read_text())
+        except ValueError:
+            pgid = 0
+        if pgid > 0 and _ours(pgid, identity.read_text() if identity.exists() else ""):
             try:
-                os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+                os.killpg(pgid, signal.SIGKILL)
                 reaped += 1
-            except (ProcessLookupError, ValueError, PermissionError):
+            except (ProcessLookupError, PermissionError):
                 pass
-            pid_file.unlink(missing_ok=True)
-        return reaped
+        pid_file.unlink(missing_ok=True)
+        identity.unlink(missing_ok=True)
+    return reaped
 
 
 def copy_caches(source: Path, dest: Path) -> None:

@@ -6,8 +6,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=cpu
 [ "${1:-}" = test ] && extras=cpu,test
+# The report test opens report.html in a real headless Chromium (Debian's, driven through its chromedriver).
+if [ "${1:-}" = test ] && ! command -v chromedriver >/dev/null && [ "$(id -u)" = 0 ]; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+fi
 python3 -m pip install -q -e ".[${extras}]"
 # PyPI's torchvision/torchaudio/torchcodec builds do not load against the CPU torch ("operator
 # torchvision::nms does not exist"); the text path needs none of them.
 python3 -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 python3 -c "import vllm, torch; print('nightshift: vllm', vllm.__version__, 'torch', torch.__version__)"
+# The namespace sandbox (sandbox.backend: namespace) needs util-linux's unshare.
+command -v unshare >/dev/null || { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get install -y -q util-linux; } || true

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 from sandbox.base import ServerSpec
-from sandbox.local import LocalServer, free_port, wait_healthy
+from sandbox.local import LocalServer, free_port, reap_servers, record_server, wait_healthy
 
 FAKE = Path(__file__).parent / "fake_vllm.py"
 
@@ -33,10 +33,11 @@ class FakeSandbox:
         with open(log, "wb") as out:
             process = subprocess.Popen([sys.executable, str(FAKE), str(spec.source_tree), str(port), str(imports)],
                                        stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        record_server(home, process.pid)
         (home / "tmp").mkdir()
         server = CountedServer(spec, process, port, home, log, imports, home / "tmp")
         server.sandbox = self
-        wait_healthy(server, 30)
+        wait_healthy(server, min(30, spec.startup_timeout_s))
         self.started.append(spec)
         return server
 
@@ -44,4 +45,5 @@ class FakeSandbox:
         self.exported.append(server.name)
 
     def reap(self) -> int:
-        return 0
+        """As the local backend: the servers of runs (next to this one) whose harness is gone."""
+        return reap_servers(self.root.parent.parent)

@@ -15,6 +15,7 @@ patch can turn it into a faster, cheating or nondeterministic candidate:
             margin is below `near_tie` nats (batching that changes numerics at near-ties)
   crash   - exits at startup
   hang    - starts, then never answers a completion
+  stall   - never becomes healthy (a start that hangs)
 """
 import hashlib
 import json
@@ -30,6 +31,8 @@ mode_files = sorted((tree / "vllm").glob("fake_mode*.json"))
 config = json.loads(mode_files[-1].read_text()) if mode_files else {"mode": "exact", "delay_s": 0.01}
 if config["mode"] == "crash":
     sys.exit("fake_vllm: crashing at startup as configured")
+if config["mode"] == "stall":
+    time.sleep(3600)
 import_log.write_text("".join(f"{p.relative_to(tree)}\n" for p in [tree / "vllm" / "__init__.py", *mode_files]))
 in_flight = served = 0
 lock = threading.Lock()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -50,15 +51,39 @@ class TraceWriter:
     def append(self, event: AnyEvent) -> str:
         record = Record(seq=self.seq, time=time.time(), prev_sha256=self.last_sha256, event=event)
         record.sha256 = hashlib.sha256(record.model_dump_json().encode()).hexdigest()
-        self._file.write(record.model_dump_json().encode() + b"\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        line = record.model_dump_json().encode() + b"\n"
+        crash = _crash_point(event)
+        if crash in ("before", "tear"):
+            self._write(line[:len(line) // 2] if crash == "tear" else b"")
+            os.kill(os.getpid(), signal.SIGKILL)
+        self._write(line)
+        if crash == "after":
+            os.kill(os.getpid(), signal.SIGKILL)
         self.seq += 1
         self.last_sha256 = record.sha256
         return record.sha256
 
+    def _write(self, data: bytes) -> None:
+        self._file.write(data)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
     def close(self) -> None:
         self._file.close()
+
+
+CRASH_ENV = "NIGHTSHIFT_TEST_CRASH"
+"""Crash tests only: `after:KIND:CANDIDATE` SIGKILLs the harness right after that event's record is on disk,
+`before:...` right before it is written, `tear:...` halfway through writing it."""
+
+
+def _crash_point(event: AnyEvent) -> str:
+    spec = os.environ.get(CRASH_ENV, "")
+    if not spec:
+        return ""
+    when, kind, candidate = (spec.split(":") + ["", ""])[:3]
+    matches = event.kind == kind and candidate in ("", "*", str(getattr(event, "candidate", 0)))
+    return when if matches else ""
 
 
 def read_trace(path: Path) -> list[Record]:

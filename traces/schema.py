@@ -16,7 +16,7 @@ FORMAT_VERSION = 1
 Stage = Literal[
     "proposal", "surface", "apply", "build", "start", "parity", "liveness", "benchmark", "audit", "decision",
 ]
-Verdict = Literal["keep", "discard", "crash"]
+Verdict = Literal["keep", "discard", "crash", "timeout"]
 
 
 class Event(BaseModel):
@@ -102,6 +102,22 @@ class ParityReport(Event):
     divergence: Divergence | None = None
 
 
+class GpuPass(BaseModel):
+    """NVML readings over one pass, per GPU the server uses (agent/gpu_state.py)."""
+
+    gpus: list[int]
+    readings: int
+    sm_clock_mhz_min: int
+    sm_clock_mhz_max: int
+    mem_clock_mhz_min: int
+    temperature_c_max: int
+    power_w_mean: float
+    utilization_mean: float
+    throttle_reasons: list[str] = Field(default_factory=list)
+    neighbour_utilization_max: float | None = None
+    """The highest SM utilisation of a process on these GPUs that is not the measured server's."""
+
+
 class Sample(BaseModel):
     """One timed pass of the workload against one server, measured by the harness."""
 
@@ -122,6 +138,14 @@ class Sample(BaseModel):
     """The busiest client process's CPU time over its wall time; near 1, the client set the pace."""
     outputs_sha256: str | None = None
     """sha256 of the pass's prompts and returned token ids (kept under outputs/ in the run folder)."""
+    steady_seconds: float | None = None
+    """The steady-state window: from the first moment the target concurrency was in flight to the moment
+    in-flight fell below it at the drain (agent/load.py)."""
+    steady_total_tokens_per_s: float | None = None
+    steady_output_tokens_per_s: float | None = None
+    gpu: GpuPass | None = None
+    flags: list[str] = Field(default_factory=list)
+    """Why the pass may not measure the server alone: `throttled: ...`, `neighbour busy: ...`."""
 
 
 class Liveness(BaseModel):
@@ -140,6 +164,30 @@ class SampleTaken(Event):
     confirmation: int = 0
 
 
+class Look(BaseModel):
+    pairs: int
+    spent_alpha: float
+    """Error spent by this look, cumulative (the spending function at pairs / planned maximum)."""
+    z_boundary: float
+    boundary: float
+    """The t boundary used: accept once the statistic exceeds it."""
+    futility: float | None
+    """Stop and discard once the statistic falls below minus this (none at the last planned look)."""
+    statistic: float
+    df: int
+
+
+class Sequential(BaseModel):
+    spending: str = "lan-demets-obrien-fleming"
+    alpha: float
+    """One-sided: (1 - confidence) / 2, the chance of accepting at a true speedup of min_speedup."""
+    planned: list[int]
+    order_term: bool = True
+    looks: list[Look]
+    stopped: Literal["efficacy", "futility", "max"] | None
+    """None: the planned looks so far neither crossed a boundary nor reached the maximum."""
+
+
 class BenchReport(Event):
     kind: Literal["benchmark"] = "benchmark"
     candidate: int
@@ -154,6 +202,8 @@ class BenchReport(Event):
     output_check: str
     confirmation: int = 0
     """0: the first benchmark; k: the k-th independent confirmation of a candidate that passed."""
+    sequential: Sequential | None = None
+    """The stopping rule's looks (agent/stats.py); absent in traces written before it existed."""
 
 
 class Violation(BaseModel):
@@ -239,6 +289,61 @@ class ProposalInvalid(Event):
     reason: str
 
 
+class NoiseFloor(Event):
+    """The A/A before the first candidate: the baseline's production server against an independently started
+    copy of itself, interleaved as a candidate would be (agent/noise.py)."""
+
+    kind: Literal["noise_floor"] = "noise_floor"
+    candidate: int = 0
+    metric: str
+    samples: list[Sample]
+    cv_incumbent: float
+    cv_peer: float
+    """Coefficient of variation of each server's passes."""
+    log_ratio_sd: float
+    """SD of the per-pair log ratios, the pair order taken out."""
+    speedup: float
+    ci_low: float
+    ci_high: float
+    confidence: float
+    repetitions: int
+    mde_speedup: float
+    """The smallest speedup over the incumbent that `repetitions` pairs detect with probability `power`
+    (against no change, at the task's confidence)."""
+    max_repetitions: int | None = None
+    mde_speedup_max: float | None = None
+    power: float
+    pairs_needed: int | None = None
+    """Pairs at which the MDE would reach acceptance.min_speedup."""
+    warning: str = ""
+
+
+class Resumed(Event):
+    """The run continues after its harness was killed (`nightshift run --resume`, agent/resume.py): where the
+    trace stood, what a torn last line held (cut off), and what comes next. The baseline phase follows again."""
+
+    kind: Literal["resumed"] = "resumed"
+    after_seq: int
+    after_event: str
+    dropped_bytes: int = 0
+    dropped: str = ""
+    """The start of the torn last line that was cut off."""
+    candidate: int = 0
+    """The candidate in flight at the kill, evaluated again from its recorded proposal (0: none)."""
+    pending_keep: str = ""
+    """A keep decided but not recorded as committed: `found <sha>` on the branch, or `commit` (made now)."""
+    head_commit: str
+    candidates_done: int
+    kept: int
+    best_speedup: float
+    spent_s: float
+    """Wall clock the run had used before the kill (the time it was down not counted)."""
+    downtime_s: float
+    reaped: int = 0
+    """Leftover servers or containers of the dead harness that were killed."""
+    worktrees_removed: int = 0
+
+
 class RunFinished(Event):
     kind: Literal["run_finished"] = "run_finished"
     reason: str
@@ -254,7 +359,7 @@ AnyEvent = Annotated[
     Union[
         RunStarted, SelfParity, Proposal, PatchApplied, Build, ParityReport, SampleTaken, BenchReport, TokenAudit,
         Decision,
-        Commit, LlmCall, ProposalInvalid, RunFinished,
+        Commit, LlmCall, ProposalInvalid, NoiseFloor, Resumed, RunFinished,
     ],
     Field(discriminator="kind"),
 ]

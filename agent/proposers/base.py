@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Protocol
 
 from agent.task import Task
-from traces.schema import AnyEvent, Decision, Proposal
+from traces.schema import AnyEvent, Decision, Proposal, Record
 
 
 @dataclass
@@ -50,3 +50,7 @@ class Proposer(Protocol):
 
     def observe(self, attempt: Attempt) -> None:
         """Learn from how the last proposal ended."""
+
+    def restore(self, records: list[Record]) -> None:
+        """A resumed run (agent/resume.py): take up this proposer's state from the run's trace so far, without
+        proposing again; a proposal with no decision yet is evaluated again, and then observed."""

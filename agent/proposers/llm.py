@@ -36,7 +36,7 @@ from agent.proposers.funnel import Funnel, llm_funnel
 from agent.surface import surface_allows
 from agent.task import LlmProposer as LlmSpec
 from agent.task import Task
-from traces.schema import AnyEvent, LlmCall, Proposal, ProposalInvalid
+from traces.schema import AnyEvent, Decision, LlmCall, Proposal, ProposalInvalid, Record
 
 EXCERPT_LINES = 160
 RETRY_TEMPERATURE = 0.7
@@ -241,6 +241,37 @@ class LlmProposer:
         if (not kept and decision.stage in REPAIRABLE and convo is not None
                 and convo.candidate == attempt.proposal.candidate and convo.repairs < self.spec.repair_turns):
             self._pending_repair = (convo, attempt)
+
+    def restore(self, records: list[Record]) -> None:
+        """From the trace: tokens and dollars spent, the funnel, the patches already tried, the unusable answers,
+        and the conversation behind each proposal (for its repair turn). No LLM call is made again."""
+        proposals: dict[int, Proposal] = {}
+        repairs: dict[int, int] = {}
+        call: LlmCall | None = None
+        for event in (r.event for r in records):
+            if isinstance(event, LlmCall):
+                self.stats.add(event)
+                self.tokens_in += event.usage.get("prompt_tokens", 0)
+                self.tokens_out += event.usage.get("completion_tokens", 0)
+                self.spend_usd += event.cost_usd
+                self.fresh += len(event.messages) <= 2 and (call is None or call.messages != event.messages)
+                call = event
+            elif isinstance(event, ProposalInvalid):
+                self.stats.add(event)
+                self._invalid_log.append(f"candidate {event.candidate}: {event.reason}"[:300])
+            elif isinstance(event, Proposal) and event.proposer == self.name:
+                self.stats.add(event)
+                proposals[event.candidate] = event
+                self._seen[hashlib.sha256(event.patch.encode()).hexdigest()] = event.candidate
+                info = event.meta.get("llm", {})
+                of = info.get("repair_of")
+                repairs[event.candidate] = repairs.get(of, 0) + 1 if of is not None else 0
+                self.repairs += of is not None
+                self._last = Conversation(messages=list(call.messages) if call else [], candidate=event.candidate,
+                                          answer=(call.response or "") if call else "",
+                                          repairs=repairs[event.candidate], files=list(info.get("files", [])))
+            elif isinstance(event, Decision) and event.candidate in proposals:
+                self.observe(Attempt(proposals[event.candidate], event))
 
     def _repair_text(self, attempt: Attempt) -> str:
         detail = ""

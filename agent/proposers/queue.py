@@ -11,7 +11,7 @@ import yaml
 
 from agent.proposers.base import Attempt, ProposalContext, ProposerExhausted
 from traces.errors import NightshiftError
-from traces.schema import Proposal
+from traces.schema import Proposal, Record
 
 
 class QueueError(NightshiftError, ValueError):
@@ -86,3 +86,9 @@ class QueueProposer:
 
     def observe(self, attempt: Attempt) -> None:
         pass
+
+    def restore(self, records: list[Record]) -> None:
+        """The queue's position: the files already proposed are done."""
+        done = {r.event.meta.get("file") for r in records
+                if isinstance(r.event, Proposal) and r.event.proposer == self.name}
+        self.pending = [p for p in self.pending if p.name not in done]

@@ -1,0 +1,76 @@
+"""What a measurement ran on: the accelerator (or "cpu"), the software versions, the model and the task."""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import platform
+import sys
+from pathlib import Path
+
+import agent
+
+
+def _version(distribution: str) -> str:
+    for name in (distribution, f"{distribution}-cpu"):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "absent"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _nvml(gpus: list[int]) -> dict | None:
+    if importlib.util.find_spec("pynvml") is None:
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        names = []
+        for index in gpus or list(range(count)):
+            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(index))
+            names.append(name.decode() if isinstance(name, bytes) else name)
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        cuda = pynvml.nvmlSystemGetCudaDriverVersion_v2()
+        return {"gpu": ", ".join(sorted(set(names))) or "none", "gpu_count": len(names),
+                "driver": driver.decode() if isinstance(driver, bytes) else driver,
+                "cuda_driver": f"{cuda // 1000}.{cuda % 1000 // 10}"}
+    except Exception:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def accelerator(gpus: list[int]) -> dict:
+    """GPU model, driver and CUDA from NVML where nvidia-ml-py is importable; else "cpu" and the CPU model."""
+    found = _nvml(gpus)
+    if found:
+        return found
+    if Path("/dev/nvidia0").exists() and importlib.util.find_spec("torch") is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            return {"gpu": torch.cuda.get_device_name(gpus[0] if gpus else 0), "gpu_count": torch.cuda.device_count(),
+                    "driver": "unknown", "cuda_runtime": torch.version.cuda}
+    return {"gpu": "cpu", "cpu": _cpu_model()}
+
+
+def environment(task, model_sha256: str, max_model_len: int | None = None) -> dict:
+    return {**accelerator(list(task.sandbox.gpus)), "vllm": _version("vllm"), "torch": _version("torch"),
+            "python": sys.version.split()[0], "platform": platform.platform(), "dtype": task.model.dtype,
+            "max_model_len": max_model_len or task.model.max_model_len, "nightshift": agent.__version__,
+            "model_sha256": model_sha256, "task": task.name}

@@ -1,0 +1,253 @@
+"""`nightshift run --resume RUN`: continue a run whose harness was killed (SIGKILL, the OOM killer, a reboot).
+
+Checked first, as `replay` checks a run: the trace's hash chain (a torn last line is cut off, and the `resumed`
+record says what it held) and the branch against the trace. A run that fails that audit, that finished, or whose
+harness still runs is refused. The state then comes from the trace and the branch alone: the incumbent is the
+branch head with its serving flags, the history and the budget spent are the trace's, each proposer takes up
+its own state from the records (`Proposer.restore`). The dead harness's servers and worktrees are removed, the
+baseline phase runs again, and the candidate in flight at the kill is evaluated again from its recorded
+proposal. A keep decided but not recorded as committed is committed exactly once: found on the branch by its
+`Nightshift-Trace-Event` trailer, or made.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import git
+
+from agent.audit import audit, resolve_run
+from agent.checkout import installed_vllm, open_checkout
+from agent.checkpoint import cache_root, prepare_model
+from agent.proposers import Proposer, make_proposer
+from agent.proposers.base import Attempt
+from agent.setup import RunSetup, _version, lock_run
+from agent.task import parse_task
+from agent.workspace import Workspace
+from sandbox import make_sandbox
+from sandbox.base import Sandbox
+from traces import TraceError, TraceWriter
+from traces.errors import NightshiftError
+from traces.log import parse_trace
+from traces.schema import (Commit, Decision, ParityReport, PatchApplied, Proposal, Record, Resumed, RunFinished,
+                           RunStarted, TokenAudit)
+
+
+class ResumeRefused(NightshiftError):
+    stage = "resume"
+
+
+@dataclass
+class PendingKeep:
+    """A keep decision (the trace's last record but `resumed` ones) with no commit record yet."""
+
+    decision: Record
+    proposal: Proposal
+    applied: PatchApplied
+    parity_digest: str
+    audits: list[TokenAudit]
+    found: str = ""
+    """The branch's commit for it, if it was made before the kill."""
+
+
+@dataclass
+class Resumption:
+    """What the loop continues from; `event` is the run's next record."""
+
+    event: Resumed
+    history: list[Attempt]
+    best_speedup: float
+    kept: int
+    spent_s: float
+    redo: Proposal | None = None
+    pending: PendingKeep | None = None
+
+    def in_flight(self, n: int) -> Proposal | None:
+        """The recorded proposal of candidate n if it was in flight at the kill (once)."""
+        if self.redo is None or self.redo.candidate != n:
+            return None
+        proposal, self.redo = self.redo, None
+        return proposal
+
+    def settle_keep(self, setup: RunSetup, emit) -> None:
+        """Record the pending keep's commit: the one on the branch, or one made now. Never two for a decision."""
+        p, self.pending = self.pending, None
+        if p is None:
+            return
+        sha = p.found or make_commit(setup, p)
+        emit(Commit(candidate=p.proposal.candidate, branch=setup.workspace.branch, commit=sha,
+                    decision_sha256=p.decision.sha256))
+
+
+def make_commit(setup: RunSetup, p: PendingKeep) -> str:
+    from agent.loop import commit_message
+
+    head = setup.workspace.head()
+    if head != p.applied.parent_commit:
+        raise ResumeRefused(f"candidate {p.proposal.candidate} was kept on {p.applied.parent_commit[:12]}, but the "
+                            f"branch is at {head[:12]}")
+    tree = setup.workspace.worktree(f"commit-{p.proposal.candidate}")
+    try:
+        setup.workspace.apply(tree, p.proposal.patch)
+        message = commit_message(setup.task, setup.run_id, p.proposal, p.decision.event, p.decision.sha256,
+                                 p.parity_digest, p.audits)
+        return setup.workspace.commit(tree, p.applied.engine_args, message)
+    finally:
+        setup.workspace.remove(tree)
+
+
+def read_for_resume(trace: Path) -> tuple[list[Record], bytes, int]:
+    """(the verified records, the torn bytes to cut off, the length to keep). A last line that lacks only its
+    newline but verifies is kept."""
+    data = trace.read_bytes()
+    keep = data.rfind(b"\n") + 1
+    torn = data[keep:]
+    try:
+        if torn:
+            try:
+                return parse_trace(data + b"\n"), b"", len(data)
+            except TraceError:
+                pass
+        return parse_trace(data[:keep]), torn, keep
+    except TraceError as exc:
+        raise ResumeRefused(f"the trace fails the audit at record {exc.line}: {exc}; not resuming") from None
+
+
+def rebuild(records: list[Record]) -> Resumption:
+    """The run's state from its trace: history, kept, best speedup, wall clock spent, what was in flight."""
+    proposals: dict[int, Proposal] = {}
+    decisions: dict[int, Record] = {}
+    committed = {r.event.decision_sha256 for r in records if isinstance(r.event, Commit)}
+    for record in records:
+        if isinstance(record.event, Proposal):
+            proposals[record.event.candidate] = record.event
+        elif isinstance(record.event, Decision):
+            decisions[record.event.candidate] = record
+    history = [Attempt(proposals[n], decisions[n].event) for n in sorted(decisions, key=lambda n: decisions[n].seq)]
+    keeps = [r for r in decisions.values() if r.event.verdict == "keep"]
+    pending = next((r for r in keeps if r.sha256 not in committed), None)
+    best = math.prod(r.event.speedup for r in keeps)
+    redo = max(proposals.values(), key=lambda p: p.candidate, default=None)
+    if redo is not None and redo.candidate in decisions:
+        redo = None
+    state = Resumption(event=None, history=history, best_speedup=best, kept=len(keeps), spent_s=_spent(records),
+                       redo=redo)
+    if pending is not None:
+        state.pending = _pending(records, pending, proposals[pending.event.candidate])
+    return state
+
+
+def _spent(records: list[Record]) -> float:
+    """Wall clock used: each stretch from run_started or a `resumed` record to the last record before the next."""
+    spent, first = 0.0, records[0].time
+    for previous, record in zip(records, records[1:]):
+        if isinstance(record.event, Resumed):
+            spent, first = spent + previous.time - first, record.time
+    return spent + records[-1].time - first
+
+
+def _pending(records: list[Record], decision: Record, proposal: Proposal) -> PendingKeep:
+    n = proposal.candidate
+    start = max(r.seq for r in records if isinstance(r.event, PatchApplied) and r.event.candidate == n)
+    after = [r.event for r in records[start:decision.seq]]
+    applied = records[start].event
+    parity = [e for e in after if isinstance(e, ParityReport) and e.candidate == n]
+    audits = [e for e in after if isinstance(e, TokenAudit) and e.candidate == n and not e.calibration]
+    return PendingKeep(decision, proposal, applied, parity[-1].digest, audits)
+
+
+def open_run(run_dir: Path, started: RunStarted, vllm_version: str | None, lock) -> RunSetup:
+    """The run's setup again, from its first record: same checkout, branch, model and vLLM."""
+    task = parse_task(started.task, f"{run_dir / 'trace.jsonl'} (run_started.task)")
+    linked = vllm_version is None
+    version = installed_vllm()[1] if linked else vllm_version
+    if version != started.vllm_version:
+        raise ResumeRefused(f"the run started with vLLM {started.vllm_version}, but {version} is installed")
+    model = prepare_model(task)
+    if model.sha256 != started.model_sha256:
+        raise ResumeRefused(f"the model's weights are not the run's (sha256 {model.sha256[:12]}, the run had "
+                            f"{started.model_sha256[:12]})")
+    repo = open_checkout(Path(started.checkout), version)
+    vocab_size = int(json.loads((model.path / "config.json").read_text())["vocab_size"])
+    workspace = Workspace(repo, started.run_id, run_dir / "worktrees")
+    seed = cache_root() / "compile-caches" / f"vllm-{version}"
+    return RunSetup(task=task, run_id=started.run_id, run_dir=run_dir, repo=repo, model=model, vocab_size=vocab_size,
+                    trace=None, workspace=workspace, base_commit=started.base_commit, vllm_version=version,
+                    torch_version=_version("torch"), linked=linked, cache_seed=seed, lock=lock)
+
+
+def remove_worktrees(setup: RunSetup) -> int:
+    """The dead harness's worktrees of this run, all of them: a resumed run makes its own."""
+    root = (setup.run_dir / "worktrees").resolve()
+    listed = setup.repo.git.worktree("list", "--porcelain").splitlines()
+    paths = [Path(line.split(" ", 1)[1]) for line in listed if line.startswith("worktree ")]
+    ours = [p for p in paths if root in p.resolve().parents]
+    for path in ours:
+        setup.workspace.remove(path)
+    setup.repo.git.worktree("prune")
+    return len(ours)
+
+
+def resume_run(run: str, runs_dir: Path, vllm_version: str | None = None,
+               sandbox: Sandbox | None = None) -> tuple[RunSetup, Proposer, Sandbox, Resumption]:
+    """Check the run, rebuild its state, clean up after the dead harness; the trace is touched only once
+    everything checked out (the torn line cut off). Raises ResumeRefused (or another NightshiftError)."""
+    run_dir = resolve_run(run, runs_dir).resolve()
+    lock = lock_run(run_dir)
+    trace = run_dir / "trace.jsonl"
+    records, torn, keep = read_for_resume(trace)
+    started: RunStarted = records[0].event
+    finished = next((r for r in records if isinstance(r.event, RunFinished)), None)
+    if finished is not None:
+        raise ResumeRefused(f"run {started.run_id} already finished (record {finished.seq + 1}: "
+                            f"{finished.event.reason}); there is nothing to resume")
+    try:
+        checked = audit(run_dir, records, pending=True)
+    except TraceError as exc:
+        raise ResumeRefused(f"run {started.run_id} fails the audit at record {exc.line}: {exc}; not resuming") \
+            from None
+    except git.GitError as exc:
+        raise ResumeRefused(f"cannot read the run's branch: {exc}") from None
+    state = rebuild(records)
+    setup = open_run(run_dir, started, vllm_version, lock)
+    if state.pending is not None:
+        state.pending.found = checked.pending_commit
+    proposer = make_proposer(setup.task)
+    proposer.restore(records)
+    sandbox = sandbox or make_sandbox(setup.task.sandbox, run_dir)
+    reaped = sandbox.reap()
+    removed = remove_worktrees(setup)
+    if torn:
+        os.truncate(trace, keep)
+    setup.trace = TraceWriter(trace)
+    last = records[-1]
+    pending = state.pending
+    state.event = Resumed(
+        after_seq=last.seq, after_event=last.event.kind + (f" of candidate {last.event.candidate}"
+                                                           if getattr(last.event, "candidate", 0) else ""),
+        dropped_bytes=len(torn), dropped=torn[:300].decode(errors="replace"),
+        candidate=state.redo.candidate if state.redo else 0,
+        pending_keep="" if pending is None else (f"found {pending.found}" if pending.found else "commit"),
+        head_commit=setup.workspace.head(), candidates_done=len(state.history), kept=state.kept,
+        best_speedup=state.best_speedup, spent_s=round(state.spent_s, 3),
+        downtime_s=round(max(0.0, time.time() - last.time), 3), reaped=reaped, worktrees_removed=removed)
+    return setup, proposer, sandbox, state
+
+
+def describe(event: Resumed) -> str:
+    """One line: from where the run goes on."""
+    what = [f"after record {event.after_seq + 1} ({event.after_event})"]
+    if event.dropped_bytes:
+        what.append(f"a torn last line of {event.dropped_bytes} bytes cut off")
+    if event.pending_keep:
+        what.append("the last keep " + ("found on the branch" if event.pending_keep.startswith("found")
+                                        else "committed now"))
+    if event.candidate:
+        what.append(f"candidate {event.candidate} evaluated again from its proposal")
+    what.append(f"{event.candidates_done} candidates done, {event.kept} kept, {event.spent_s:.0f} s spent, "
+                f"{event.reaped} leftover server(s) killed")
+    return "resumed " + "; ".join(what)

@@ -1,0 +1,77 @@
+"""GPU state per pass: read through NVML's interface (here a fake NVML with a GPU that throttles and a
+neighbour process), and nothing at all on a machine without NVML or a GPU."""
+import os
+import time
+from types import SimpleNamespace
+
+from agent.gpu_state import GpuMonitor, flags, load_nvml, process_tree
+
+
+class FakeNvml:
+    """NVML's calls as nvidia-ml-py spells them, for one GPU that starts to throttle (hw thermal) midway."""
+
+    def __init__(self, neighbour_util: int = 0):
+        self.calls, self.neighbour_util = 0, neighbour_util
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        self.calls += 1
+        return index
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle):
+        return 0x1 if self.calls < 3 else 0x40 | 0x2  # idle, then hw thermal (+ application clocks, not a throttle)
+
+    def nvmlDeviceGetClockInfo(self, handle, kind):
+        return (1980 if self.calls < 3 else 1500) if kind == 1 else 3201
+
+    def nvmlDeviceGetTemperature(self, handle, kind):
+        return 60 + self.calls
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return 400_000
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        return SimpleNamespace(gpu=90, memory=40)
+
+    def nvmlDeviceGetProcessUtilization(self, handle, since):
+        return [SimpleNamespace(pid=os.getpid() + 10**6, smUtil=self.neighbour_util, timeStamp=since + 1)]
+
+
+def test_a_throttling_gpu_with_a_busy_neighbour_is_recorded_and_flagged():
+    with GpuMonitor([0], own_pids={os.getpid()}, interval_s=0.01, nvml=FakeNvml(neighbour_util=35)) as monitor:
+        time.sleep(0.1)
+    state = monitor.summary()
+    assert state.gpus == [0] and state.readings >= 3
+    assert (state.sm_clock_mhz_max, state.sm_clock_mhz_min, state.mem_clock_mhz_min) == (1980, 1500, 3201)
+    assert state.temperature_c_max > 60 and state.power_w_mean == 400.0 and state.utilization_mean == 90.0
+    assert state.throttle_reasons == ["hw_thermal"] and state.neighbour_utilization_max == 35.0
+    assert flags(state) == ["throttled: hw_thermal", "neighbour busy: another process used up to 35% of the SMs"]
+
+
+def test_a_quiet_gpu_is_not_flagged_and_unknown_server_processes_skip_the_neighbour_check():
+    nvml = FakeNvml(neighbour_util=80)
+    nvml.nvmlDeviceGetCurrentClocksThrottleReasons = lambda handle: 0x1
+    with GpuMonitor([0], own_pids=None, interval_s=0.01, nvml=nvml) as monitor:
+        time.sleep(0.03)
+    assert monitor.summary().neighbour_utilization_max is None and flags(monitor.summary()) == []
+
+
+def test_without_nvml_or_gpus_nothing_is_recorded():
+    with GpuMonitor([], own_pids=set()) as monitor:
+        pass
+    assert monitor.summary() is None and flags(None) == []
+    if load_nvml() is None:  # this machine: no nvidia-ml-py or no GPU
+        with GpuMonitor([0], own_pids=set()) as monitor:
+            pass
+        assert monitor.summary() is None
+
+
+def test_the_server_process_tree_includes_children():
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    try:
+        assert {os.getpid(), child.pid} <= process_tree(os.getpid())
+    finally:
+        child.kill()
+        child.wait()

@@ -1,0 +1,206 @@
+"""The HTML report and `verify`'s judgement on a recorded run of fake servers in real processes, opened in a real
+headless Chromium: it loads with no console errors, every plot renders, and the page is not blank."""
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import git
+import pytest
+
+from agent.html_report import funnel_counts, write_report
+from agent.loop import Loop
+from agent.proposers.queue import QueueProposer
+from agent.report import write_summary
+from agent.setup import prepare_run
+from agent.verify import VerifyError, run_target, verify
+from agent.verify_view import NoProgress
+from tests.fake_sandbox import FakeSandbox
+from tests.test_loop_judgement import VERSION, fake_checkout, fake_task, mode, new_file_patch  # noqa: F401
+from traces import read_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM, DRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+GRID = dict(input_lens=[8, 16, 120], output_lens=[8], concurrency=[1, 4])
+
+
+@pytest.fixture(scope="module")
+def fake_model(tmp_path_factory) -> Path:
+    """A config with a context limit, so that one grid cell cannot run."""
+    path = tmp_path_factory.mktemp("fake-model")
+    (path / "config.json").write_text(json.dumps({
+        "vocab_size": 4096, "max_position_embeddings": 64, "num_hidden_layers": 2, "num_key_value_heads": 1,
+        "head_dim": 8, "num_attention_heads": 2}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def recorded_run(tmp_path_factory, fake_checkout, fake_model):
+    """A finished run: one kept candidate, one rejected at parity, one at the audit."""
+    root = tmp_path_factory.mktemp("report-run")
+    patches = root / "patches"
+    patches.mkdir()
+    for name, text in {
+        "1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster, same tokens"),
+        "2-random.patch": new_file_patch("vllm/fake_mode_2.json", mode("random"), "different tokens"),
+        "3-batched.patch": new_file_patch("vllm/fake_mode_3.json", mode("batched", 0.0025), "wrong in batches"),
+    }.items():
+        (patches / name).write_text(text)
+    task = fake_task(fake_checkout, fake_model, patches)
+    setup = prepare_run(task, root / "runs", vllm_version=VERSION)
+    finished = Loop(setup, QueueProposer(patches), sandbox=FakeSandbox(root / "servers")).run()
+    write_summary(setup.run_dir)
+    assert finished.kept == 1
+    return setup
+
+
+def fake_verify(setup, root: Path, head: str | None = None):
+    target = run_target(setup.run_dir, head=head)
+    return target, verify(target, **GRID, repetitions=3, progress=NoProgress(), sandbox=FakeSandbox(root), link=False)
+
+
+@pytest.fixture(scope="module")
+def verified(recorded_run, tmp_path_factory):
+    return fake_verify(recorded_run, tmp_path_factory.mktemp("verify-servers"))
+
+
+def test_the_funnel_counts_each_stage_from_the_trace(recorded_run):
+    counts = dict(funnel_counts(read_trace(recorded_run.run_dir / "trace.jsonl")))
+    assert counts == {"proposed": 3, "applied": 3, "built": 3, "parity passed": 2, "benchmarked": 2,
+                      "audit passed": 1, "kept": 1}
+
+
+def test_verify_measures_every_runnable_cell_and_keeps_the_skipped_one(verified):
+    target, data = verified
+    assert [c["key"] for c in data["cells"]] == ["in8-out8-c1", "in8-out8-c4", "in16-out8-c1", "in16-out8-c4",
+                                                 "in120-out8-c1", "in120-out8-c4"]
+    skipped = [c for c in data["cells"] if c["status"] == "skipped"]
+    assert [c["key"] for c in skipped] == ["in120-out8-c1", "in120-out8-c4"]
+    assert "exceeds the model's max_position_embeddings 64" in skipped[0]["reason"]
+    assert data["grid"]["max_model_len"] == 16 + 8 + 1
+    assert data["head"]["commit"] == git.Repo(target.repo.working_dir).git.rev_parse(
+        read_trace(target.run_dir / "trace.jsonl")[0].event.branch)
+    for cell in (c for c in data["cells"] if c["status"] != "skipped"):
+        assert cell["status"] == "ok", cell["reason"]
+        assert cell["parity"]["ok"] and cell["audit"]["passed"] and cell["audit"]["tokens"] > 0
+        for key in ("total_token_throughput", "output_throughput", "request_throughput", "median_ttft_ms",
+                    "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms"):
+            assert cell["head"][key] > 0 and cell["baseline"][key] > 0
+        gain = cell["speedup"]["total_token_throughput"]
+        assert gain["ci_low"] > 1.2 and not cell["regression"]  # the kept candidate is 4x faster per token
+        assert len(cell["samples"]) == 6 and cell["num_prompts"] == max(8, 2 * cell["concurrency"])
+    assert data["environment"]["gpu"] == "cpu" and data["environment"]["model_sha256"]
+    assert data["regressions"] == [] and data["failed"] == []
+    table = (target.out_dir / "verify.md").read_text()
+    assert "| 8 | 8 |" in table and "skipped: input + output + 1 scoring token = 129 tokens" in table
+    assert not (target.out_dir / "worktrees" / "head").exists()
+
+
+def test_a_slower_head_is_a_regression_in_every_output(recorded_run, tmp_path):
+    repo = git.Repo(recorded_run.repo.working_dir)
+    base = read_trace(recorded_run.run_dir / "trace.jsonl")[0].event.base_commit
+    tree = tmp_path / "slow"
+    repo.git.worktree("add", "--detach", str(tree), base)
+    (tree / "vllm" / "fake_mode_1.json").write_text(mode("exact", 0.03))
+    slow = git.Repo(tree)
+    slow.git.add("-A")
+    slow.git.commit("-qm", "slower", env={"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+                                          "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"})
+    run_dir = tmp_path / "run"
+    shutil.copytree(recorded_run.run_dir, run_dir, ignore=shutil.ignore_patterns("worktrees", "servers", "verify"))
+    target = run_target(run_dir, head=slow.head.commit.hexsha)
+    data = verify(target, input_lens=[8], output_lens=[8], concurrency=[1], repetitions=3, progress=NoProgress(),
+                  sandbox=FakeSandbox(tmp_path / "servers"), link=False)
+    assert data["regressions"] == ["in8-out8-c1"]
+    assert data["cells"][0]["speedup"]["total_token_throughput"]["ci_high"] < 1.0
+    assert "**REGRESSION**" in (target.out_dir / "verify.md").read_text()
+    assert "REGRESSION" in write_report(run_dir).read_text()
+
+
+def test_a_head_without_commits_is_refused(recorded_run):
+    base = read_trace(recorded_run.run_dir / "trace.jsonl")[0].event.base_commit
+    with pytest.raises(VerifyError, match="has no commits over its base"):
+        run_target(recorded_run.run_dir, head=base)
+
+
+def browser():
+    if not (CHROMIUM.exists() and DRIVER.exists()):
+        pytest.skip("Chromium is not installed (scripts/install.sh test installs it)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1300,900"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(service=Service(str(DRIVER)), options=options)
+
+
+def test_the_report_renders_offline_in_a_real_browser(verified, tmp_path):
+    from PIL import Image, ImageStat
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    target, _ = verified
+    report = write_report(target.run_dir)
+    page = report.read_text()
+    assert re.findall(r"<(?:script|link|img)\b[^>]*\b(?:src|href)=", page) == []  # everything inlined
+    for section in ("The run at a glance", "Funnel", "Speedups", "Per-pass samples", "Margins and audit deficits",
+                    "Verify grid", "Kept commits", "fake_mode_1.json"):
+        assert section in page, section
+    driver = browser()
+    try:
+        driver.get(report.as_uri())
+        WebDriverWait(driver, 60).until(lambda d: d.execute_script(
+            "return [...document.querySelectorAll('.plotly-graph-div')].every(g => g.querySelector('svg.main-svg'))"))
+        plots = driver.execute_script("return document.querySelectorAll('.plotly-graph-div').length")
+        rendered = driver.execute_script(
+            "return [...document.querySelectorAll('.plotly-graph-div')].filter(g => g.querySelector('svg.main-svg')"
+            " && g.querySelectorAll('.trace, .heatmaplayer image, .funnellayer path').length > 0).length")
+        errors = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
+        height = driver.execute_script("return document.body.scrollHeight")
+        driver.set_window_size(1300, min(height, 8000))
+        shot = Path(__file__).parent.parent / "runs" / "report-screenshot.png"
+        shot.parent.mkdir(exist_ok=True)
+        driver.save_screenshot(str(shot))
+    finally:
+        driver.quit()
+    assert errors == [], errors
+    assert plots >= 7 and rendered == plots, (rendered, plots)
+    image = Image.open(shot).convert("L")
+    assert image.size[1] > 2000 and ImageStat.Stat(image).stddev[0] > 20
+
+
+def test_review_prints_where_the_report_is(recorded_run):
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-m", "agent.cli", "review", str(recorded_run.run_dir)], capture_output=True,
+                         text=True, env={**env, "COLUMNS": "200"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    line = [l for l in out.stdout.splitlines() if l.startswith("report: ")]
+    assert line == [f"report: {recorded_run.run_dir / 'report.html'}"]
+    assert (recorded_run.run_dir / "report.html").stat().st_size > 1_000_000  # plotly.js itself is inlined
+
+
+def nightshift(*args, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "agent.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "COLUMNS": "200"},
+                          timeout=120, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["verify", "no-such-run"], "no run at no-such-run"),
+    (["report", "no-such-run"], "no run at no-such-run"),
+    (["verify"], "verify needs a run (id or folder), or --checkout PATH --head REF"),
+    (["verify", "--checkout", "."], "--checkout needs --head REF"),
+    (["verify", "{run}", "--input-lens", "512,0"], "--input-lens '512,0': expected positive integers"),
+    (["verify", "{run}", "--concurrency", "many"], "--concurrency 'many': expected positive integers"),
+    (["verify", "{run}", "--head", "no-such-ref"], "head 'no-such-ref' is not a commit"),
+])
+def test_bad_input_is_one_error_line_and_exit_code_2(recorded_run, tmp_path, args, message):
+    out = nightshift(*[a.replace("{run}", str(recorded_run.run_dir)) for a in args], cwd=tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.startswith("error: ") and message in out.stderr and "Traceback" not in out.stderr
+    assert not (recorded_run.run_dir / "verify" / "worktrees").exists() or \
+        not list((recorded_run.run_dir / "verify" / "worktrees").iterdir())
