@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from agent import bench, liveness, noise
+from agent.commits import commit_message
 from agent.build import BuildError, build
 from agent.margins import served_margins
 from agent.parity import check_parity
@@ -25,7 +26,7 @@ from agent.requests import ANSWER_ERRORS, draw_prompts
 from agent.setup import RunSetup
 from agent.stats import accepts
 from agent.surface import engine_args_violation, surface_violation
-from agent.token_audit import audit_passed, describe, run_audit, trailer
+from agent.token_audit import audit_passed, describe, run_audit
 from agent.trial import Trial
 from agent.workspace import ApplyError, serve_args_at
 from sandbox import make_sandbox
@@ -316,14 +317,3 @@ class Loop:
             self.s.workspace.remove(previous.tree)
         self.kept += 1
         self.best_speedup *= decision.speedup
-
-
-def commit_message(task, run_id: str, proposal: Proposal, decision: Decision, decision_sha: str, parity_digest: str,
-                   audits: list[TokenAudit]) -> str:
-    return (f"nightshift: {proposal.summary}\n\nCandidate {proposal.candidate} of run {run_id}, "
-            f"proposed by {proposal.proposer}.\n\n"
-            f"Nightshift-Speedup: {decision.speedup:.4f}x [{decision.ci_low:.4f}, {decision.ci_high:.4f}] "
-            f"at {task.acceptance.confidence:.0%}\n"
-            f"Nightshift-Parity: {parity_digest}\n"
-            + (f"Nightshift-Audit: {trailer(audits)}\n" if audits else "")
-            + f"Nightshift-Trace-Event: {decision_sha}\n")

@@ -23,6 +23,7 @@ import git
 from agent.audit import audit, resolve_run
 from agent.checkout import installed_vllm, open_checkout
 from agent.checkpoint import cache_root, prepare_model
+from agent.commits import commit_message
 from agent.proposers import Proposer, make_proposer
 from agent.proposers.base import Attempt
 from agent.setup import RunSetup, _version, lock_run
@@ -84,7 +85,6 @@ class Resumption:
 
 
 def make_commit(setup: RunSetup, p: PendingKeep) -> str:
-    from agent.loop import commit_message
 
     head = setup.workspace.head()
     if head != p.applied.parent_commit:

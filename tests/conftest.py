@@ -1,5 +1,6 @@
 import importlib.util
 import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -26,4 +27,12 @@ def vllm_checkout(tmp_path_factory, nightshift_cache) -> Path:
     from agent.checkout import create_checkout
 
     path, _ = create_checkout(tmp_path_factory.mktemp("vllm") / "checkout")
+    return path
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """A run folder of its own (sandboxes label what they start with it)."""
+    path = tmp_path / f"run-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
     return path

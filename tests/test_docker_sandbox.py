@@ -23,16 +23,21 @@ from sandbox.docker_backend import DockerSandbox, DockerUnavailable, connect
 from sandbox.docker_spec import SANDBOX_UID
 
 
-def _load_plant():
+def _load_hostile():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("hostile_plant", Path(__file__).parent / "hostile" / "plant.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.plant
+    return module
 
 
-plant = _load_plant()
+_hostile = _load_hostile()
+observed = _hostile.observed
+
+
+def hostile(tmp_path: Path, act: str, name: str | None = None, **fields) -> ServerSpec:
+    return _hostile.hostile_spec(tmp_path, act, name, fields.pop("startup_timeout_s", 120), **fields)
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(900)]
 
@@ -54,28 +59,6 @@ def engine():
 def config(**overrides) -> SandboxConfig:
     fields = dict(backend="docker", image=IMAGE, memory_gb=1, pids_limit=128, tmpfs_mb=64)
     return SandboxConfig(**{**fields, **overrides})
-
-
-@pytest.fixture
-def run_dir(tmp_path):
-    path = tmp_path / f"run-{uuid.uuid4().hex[:8]}"
-    path.mkdir()
-    return path
-
-
-def hostile(tmp_path: Path, act: str, name: str | None = None, **fields) -> ServerSpec:
-    name = name or act
-    model = tmp_path / "model"
-    model.mkdir(exist_ok=True)
-    (model / "config.json").write_text("{}")
-    tree = plant(act, tmp_path / f"tree-{name}")
-    return ServerSpec(name=name, labels={"candidate": name}, source_tree=tree, model_dir=model,
-                      startup_timeout_s=fields.pop("startup_timeout_s", 120), **fields)
-
-
-def observed(server) -> dict:
-    with server.sync_client(30) as client:
-        return client.get("/observed").json()
 
 
 def containers_of(engine, run_dir: Path) -> list:

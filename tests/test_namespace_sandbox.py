@@ -6,7 +6,6 @@ Skipped only where `unshare` cannot make the namespaces (not root, and no user n
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -28,14 +27,21 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(900)
 
 
-def _load_plant():
+def _load_hostile():
+    import importlib.util
+
     spec = importlib.util.spec_from_file_location("hostile_plant", Path(__file__).parent / "hostile" / "plant.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.plant
+    return module
 
 
-plant = _load_plant()
+_hostile = _load_hostile()
+observed = _hostile.observed
+
+
+def hostile(tmp_path: Path, act: str, name: str | None = None, **fields) -> ServerSpec:
+    return _hostile.hostile_spec(tmp_path, act, name, fields.pop("startup_timeout_s", 60), **fields)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,28 +56,6 @@ def namespaces():
 
 def config(**overrides) -> SandboxConfig:
     return SandboxConfig(**{"backend": "namespace", "memory_gb": 1, "pids_limit": 128, "tmpfs_mb": 64, **overrides})
-
-
-@pytest.fixture
-def run_dir(tmp_path):
-    path = tmp_path / f"run-{uuid.uuid4().hex[:8]}"
-    path.mkdir()
-    return path
-
-
-def hostile(tmp_path: Path, act: str, name: str | None = None, **fields) -> ServerSpec:
-    name = name or act
-    model = tmp_path / "model"
-    model.mkdir(exist_ok=True)
-    (model / "config.json").write_text("{}")
-    tree = plant(act, tmp_path / f"tree-{name}")
-    return ServerSpec(name=name, labels={"candidate": name}, source_tree=tree, model_dir=model,
-                      startup_timeout_s=fields.pop("startup_timeout_s", 60), **fields)
-
-
-def observed(server) -> dict:
-    with server.sync_client(30) as client:
-        return client.get("/observed").json()
 
 
 def leftovers(run_dir: Path) -> list[Path]:

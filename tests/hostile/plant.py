@@ -22,3 +22,22 @@ def plant(act: str, dest: Path) -> Path:
     for path in [dest, *dest.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
     return dest
+
+
+def hostile_spec(tmp_path: Path, act: str, name: str | None = None, startup_timeout_s: float = 60, **fields):
+    """A ServerSpec for the planted candidate `act`, with an empty model folder beside it."""
+    from sandbox.base import ServerSpec
+
+    name = name or act
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    tree = plant(act, tmp_path / f"tree-{name}")
+    return ServerSpec(name=name, labels={"candidate": name}, source_tree=tree, model_dir=model,
+                      startup_timeout_s=startup_timeout_s, **fields)
+
+
+def observed(server) -> dict:
+    """What the stub server saw from inside its sandbox."""
+    with server.sync_client(30) as client:
+        return client.get("/observed").json()
