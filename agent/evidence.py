@@ -11,7 +11,7 @@ from agent.stats import accepts, estimate_speedup, order_signs, plan_looks, sequ
 from agent.task import Acceptance, Benchmark
 from agent.token_audit import audit_passed
 from traces import TraceError
-from traces.schema import BenchReport, Decision, Record, Resumed, RunStarted, TokenAudit
+from traces.schema import BenchReport, Decision, Record, Remeasured, Resumed, RunStarted, TokenAudit
 
 TOLERANCE = 1e-9
 
@@ -41,7 +41,7 @@ def check_decisions(records: list[Record]) -> int:
                 raise TraceError(line, f"audit of candidate {event.candidate}: {event.violation_count} violations "
                                        f"do not follow from max deficit {event.deficits.max} against tol "
                                        f"{event.tolerance_nats}")
-        elif isinstance(event, Resumed):  # the candidate in flight is evaluated again: its old evidence is void
+        elif isinstance(event, (Resumed, Remeasured)):  # evaluated again: the candidate's old evidence is void
             reports = {key: r for key, r in reports.items() if key[0] != event.candidate}
             audits = {key: a for key, a in audits.items() if key[0] != event.candidate}
         elif isinstance(event, Decision) and event.stage in ("audit", "decision") and event.verdict != "timeout":

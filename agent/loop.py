@@ -107,6 +107,10 @@ class Loop:
         self.emit(self.resume.event if self.resume else self.s.run_started())
         if self.resume:
             self.resume.settle_keep(self.s, self.emit)
+        self.baseline()
+
+    def baseline(self) -> None:
+        """Self-parity, margins, the audit's A/A and the incumbent's server (a parallel worker runs it on its GPU)."""
         tree = self.s.baseline_tree()
         self.pool.trust(tree)
         args, dedicated = self.task.engine.args, self.dedicated_parity
@@ -174,24 +178,30 @@ class Loop:
         args = {**self.incumbent.args, **proposal.engine_args}
         audits: list[TokenAudit] = []
         with Trial(n, self.pool, self.s.workspace, self.task.budget.candidate_timeout_s) as trial:
-            try:
-                self.check_surface(proposal, args)
-                files = self.apply(trial, proposal, args)
-                self.build(n, trial.tree, files)
-                production, digest = self.check_parity(trial, args)
-                decision = self.evaluate(trial, production, files, audits)
-            except Rejected as rejected:
-                decision = Decision(candidate=n, verdict=rejected.verdict, stage=rejected.stage, reason=rejected.reason)
-            if trial.disarm():
-                decision = Decision(candidate=n, verdict="timeout", stage=decision.stage,
-                                    reason=f"over budget.candidate_timeout_s ({self.task.budget.candidate_timeout_s:g}"
-                                           f" s), its servers killed; at {decision.stage}: {decision.reason}")
+            decision, production, digest = self.judge(trial, proposal, args, audits)
             decision_sha = self.emit(decision)
             if decision.verdict == "keep":
                 self.keep(proposal, decision, decision_sha, trial.hand_over(production), args, digest, audits)
         attempt = Attempt(proposal=proposal, decision=decision)
         self.history.append(attempt)
         self.proposer.observe(attempt)
+
+    def judge(self, trial: Trial, proposal: Proposal, args: dict, audits: list[TokenAudit]):
+        """Surface, apply, build, parity, benchmark and audit: the decision, the production server and parity digest."""
+        n, production, digest = trial.candidate, None, ""
+        try:
+            self.check_surface(proposal, args)
+            files = self.apply(trial, proposal, args)
+            self.build(n, trial.tree, files)
+            production, digest = self.check_parity(trial, args)
+            decision = self.evaluate(trial, production, files, audits)
+        except Rejected as rejected:
+            decision = Decision(candidate=n, verdict=rejected.verdict, stage=rejected.stage, reason=rejected.reason)
+        if trial.disarm():
+            decision = Decision(candidate=n, verdict="timeout", stage=decision.stage,
+                                reason=f"over budget.candidate_timeout_s ({self.task.budget.candidate_timeout_s:g}"
+                                       f" s), its servers killed; at {decision.stage}: {decision.reason}")
+        return decision, production, digest
 
     def check_surface(self, proposal: Proposal, args: dict) -> None:
         violation = (surface_violation(proposal.patch, self.task.edit_surface)

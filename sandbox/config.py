@@ -18,3 +18,11 @@ class SandboxConfig(BaseModel):
     parallel_starts: bool = True
     """Start the servers that a step needs at once (the two baselines; a candidate's parity and
     performance servers) instead of one after another."""
+    workers: int = Field(1, ge=1)
+    """Candidates evaluated side by side, one per GPU (or gpus_per_candidate GPUs), on Ray (docs/parallel.md);
+    1 is the single-process loop."""
+    gpus_per_candidate: int = Field(1, ge=1)
+    ray_address: str | None = None
+    """A Ray cluster to connect to (else RAY_ADDRESS, else a local Ray instance on this host)."""
+    gpu_resource: str = "GPU"
+    """The Ray resource a worker holds per GPU (a custom resource name for a cluster that labels GPUs so)."""

@@ -47,3 +47,8 @@ class FakeSandbox:
     def reap(self) -> int:
         """As the local backend: the servers of runs (next to this one) whose harness is gone."""
         return reap_servers(self.root.parent.parent)
+
+
+def worker_sandbox(config, folder: Path) -> FakeSandbox:
+    """A parallel worker's sandbox (agent/worker.py): its servers under its own folder."""
+    return FakeSandbox(Path(folder) / "servers")

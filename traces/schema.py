@@ -344,6 +344,17 @@ class Resumed(Event):
     worktrees_removed: int = 0
 
 
+class Remeasured(Event):
+    """A parallel run's candidate measured against an incumbent that is no longer the branch head: its evidence
+    is void, and it is evaluated again on the new head (agent/parallel.py)."""
+    kind: Literal["remeasured"] = "remeasured"
+    candidate: int
+    measured_against: str
+    head_commit: str
+    worker: int
+    reason: str
+
+
 class RunFinished(Event):
     kind: Literal["run_finished"] = "run_finished"
     reason: str
@@ -353,13 +364,15 @@ class RunFinished(Event):
     head_commit: str
     seconds: float
     spend_usd: float = 0.0
+    gpu_hours: float = 0.0
+    """Held by the run's workers, all of them together (parallel runs only)."""
 
 
 AnyEvent = Annotated[
     Union[
         RunStarted, SelfParity, Proposal, PatchApplied, Build, ParityReport, SampleTaken, BenchReport, TokenAudit,
         Decision,
-        Commit, LlmCall, ProposalInvalid, NoiseFloor, Resumed, RunFinished,
+        Commit, LlmCall, ProposalInvalid, NoiseFloor, Resumed, Remeasured, RunFinished,
     ],
     Field(discriminator="kind"),
 ]
