@@ -56,6 +56,8 @@ def run(
     settings: list[str] = typer.Option([], "--set", help="override a task field, e.g. --set workload.input_len=8192 "
                                        "(repeatable; values are YAML)"),
     quiet: bool = typer.Option(False, help="no live view"),
+    workers: Optional[int] = typer.Option(None, min=1, help="evaluate N candidates at once, one per GPU, on Ray "
+                                          "(sandbox.workers; docs/parallel.md)"),
     detach: bool = typer.Option(False, help="run in the background: print the run id and its log, return at once"),
     run_id: Optional[str] = typer.Option(None, hidden=True),
     resume: Optional[str] = typer.Option(None, help="continue a run whose harness was killed (run id or folder), "
@@ -67,11 +69,11 @@ def run(
     from agent.setup import new_run_id, prepare_run
 
     if resume:
-        if settings or proposer or patches or max_candidates or checkout or run_id or detach:
+        if settings or proposer or patches or max_candidates or checkout or run_id or detach or workers:
             fail("--resume continues the run's recorded task in the foreground; it takes no task options")
         resume_loop(resume, runs_dir, quiet)
         return
-    task = with_settings(load_task(task_file), settings)
+    task = with_settings(load_task(task_file), settings + ([f"sandbox.workers={workers}"] if workers else []))
     if proposer == "queue" or patches:
         if not patches:
             fail("--proposer queue needs --patches DIR")
@@ -86,13 +88,18 @@ def run(
     if detach:
         argv = ["run", str(task_file.resolve()), "--runs-dir", str(runs_dir.resolve())]
         for flag, value in (("--proposer", proposer), ("--patches", patches and patches.resolve()),
-                            ("--max-candidates", max_candidates), ("--checkout", checkout and checkout.resolve())):
+                            ("--max-candidates", max_candidates), ("--checkout", checkout and checkout.resolve()),
+                            ("--workers", workers)):
             argv += [flag, str(value)] if value is not None else []
         for setting in settings:
             argv += ["--set", setting]
         start_detached(argv, runs_dir, run_id or new_run_id())
         return
     check_run(task)
+    if task.sandbox.workers > 1:
+        from agent.parallel import import_ray
+
+        import_ray()
     setup = prepare_run(task, runs_dir, run_id=run_id)
     console.print(f"run [bold]{setup.run_id}[/bold] -> {setup.run_dir}  branch {setup.workspace.branch}",
                   soft_wrap=True)
@@ -129,11 +136,18 @@ def run_loop(setup, proposer, quiet: bool, sandbox=None, resume=None) -> None:
     from agent.view import LiveView
 
     trace = setup.run_dir / "trace.jsonl"
+    if resume and setup.task.sandbox.workers > 1:
+        fail("a parallel run (sandbox.workers > 1) cannot be resumed; start it again")
     view = LiveView(setup.task, console, enabled=not quiet)
     signal.signal(signal.SIGTERM, _terminate)
     try:
         with view:
-            finished = Loop(setup, proposer, on_event=view.update, sandbox=sandbox, resume=resume).run()
+            if setup.task.sandbox.workers > 1:
+                from agent.parallel import Parallel
+
+                finished = Parallel(setup, proposer, on_event=view.update, on_workers=view.show_workers).run()
+            else:
+                finished = Loop(setup, proposer, on_event=view.update, sandbox=sandbox, resume=resume).run()
     except NightshiftError as exc:
         write_summary(setup.run_dir)
         fail(f"run stopped at {exc.stage}: {exc} (the trace up to here: {trace})", 1)

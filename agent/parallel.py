@@ -78,6 +78,7 @@ class Parallel:
         self.view: tuple[str, Path] | None = None
         """The branch head's tree, which proposers read."""
         self.settled: set[int] = set()
+        self.remeasured: set[int] = set()
         self.spans: list[tuple[int, int, float, float]] = []
         """(worker, candidate, started, finished) of every evaluation, for the run's own accounting."""
 
@@ -215,18 +216,16 @@ class Parallel:
         slot.ended = time.time()
         reap_servers(self.s.run_dir / "workers")
 
+    def status_of(self, slot: Slot) -> dict:
+        """What the worker last wrote of itself (agent/worker.py): its GPUs, candidate and stage."""
+        try:
+            return json.loads((self.s.run_dir / "workers" / f"w{slot.index}" / "status.json").read_text())
+        except (OSError, ValueError):
+            return {"worker": slot.index, "gpus": [], "candidate": 0, "stage": "starting"}
+
     def worker_rows(self) -> list[dict]:
-        rows = []
-        for slot in self.slots:
-            path = self.s.run_dir / "workers" / f"w{slot.index}" / "status.json"
-            try:
-                row = json.loads(path.read_text())
-            except (OSError, ValueError):
-                row = {"worker": slot.index, "gpus": [], "candidate": 0, "stage": "starting"}
-            if slot.ended is not None:
-                row["stage"] = "dead"
-            rows.append(row)
-        return rows
+        return [{**self.status_of(slot), **({"stage": "dead"} if slot.ended is not None else {})}
+                for slot in self.slots]
 
     def settle_in_order(self) -> None:
         while self.proposals:
@@ -243,7 +242,7 @@ class Parallel:
         proposal = self.proposals[n]
         if isinstance(result, Exception):
             slot = next(s for s in self.slots if s.candidate == n and s.ended is not None)
-            row = next(r for r in self.worker_rows() if r["worker"] == slot.index)
+            row = self.status_of(slot)
             stage = row.get("stage") if row.get("candidate") == n else "start"
             stage = stage if stage in ("surface", "apply", "build", "start", "parity", "benchmark", "audit",
                                        "decision") else "start"
@@ -266,13 +265,14 @@ class Parallel:
                                             f"now {self.head[:12]}" + (": measured again against it" if alive
                                                                        else "; its worker died")))
                 if alive:
+                    self.remeasured.add(n)
                     self.submit(slot, proposal)
                     return False
                 decision = Decision(candidate=n, verdict="crash", stage="start",
                                     reason="stale, and its worker died before measuring it again")
-            if decision.stage == "apply":
-                decision = decision.model_copy(update={"reason": f"stale: no longer applies on {self.head[:12]}: "
-                                                                 f"{decision.reason}"})
+        if n in self.remeasured and decision.stage == "apply":
+            decision = decision.model_copy(update={"reason": f"stale: no longer applies on {self.head[:12]}: "
+                                                             f"{decision.reason}"})
         sha = self.emit(decision)
         if decision.verdict == "keep":
             self.commit(proposal, decision, sha, result)
@@ -296,6 +296,8 @@ class Parallel:
         self.best_speedup *= decision.speedup
 
     def close(self) -> None:
+        if not self.slots:
+            return
         ray = import_ray()
         closing = [slot.actor.close.remote() for slot in self.slots if slot.ended is None]
         try:

@@ -13,7 +13,8 @@ STAGE_AFTER = {"run_started": "starting baseline servers", "self_parity": "self-
                "proposal": "applying", "patch_applied": "building", "build": "starting server + parity",
                "parity": "benchmarking", "sample": "benchmarking", "benchmark": "deciding", "decision": "decided",
                "commit": "committed", "noise_floor": "noise floor measured", "resumed": "resumed: restarting the baseline servers",
-               "llm_call": "asking the LLM", "proposal_invalid": "proposal invalid", "run_finished": "finished"}
+               "llm_call": "asking the LLM", "proposal_invalid": "proposal invalid", "run_finished": "finished",
+               "remeasured": "measuring again against the new head"}
 
 
 def noise_line(event) -> str:
@@ -28,6 +29,8 @@ class LiveView:
         self.started = time.time()
         self.candidate, self.stage, self.best, self.kept, self.spend = 0, "preparing", 1.0, 0, 0.0
         self.last = ""
+        self.workers: list[dict] = []
+        """A parallel run's workers: GPU, candidate, stage (agent/parallel.py)."""
         self.live = Live(self.render(), console=console, refresh_per_second=2, transient=False) if enabled else None
 
     def render(self) -> Table:
@@ -41,7 +44,15 @@ class LiveView:
         table.add_row("budget left", f"{budget.max_candidates - self.candidate} candidates, {left_s / 60:.1f} min"
                       + (f", ${self.spend:.4f} spent" if self.spend else ""))
         table.add_row("last", self.last)
+        for w in self.workers:
+            gpus = ",".join(map(str, w.get("gpus") or [])) or "-"
+            table.add_row(f"worker {w['worker']}", f"GPU {gpus}: candidate {w.get('candidate') or '-'}, {w.get('stage')}")
         return table
+
+    def show_workers(self, rows: list[dict]) -> None:
+        self.workers = rows
+        if self.live:
+            self.live.update(self.render())
 
     def update(self, event) -> None:
         self.stage = STAGE_AFTER.get(event.kind, event.kind)

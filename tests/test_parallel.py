@@ -67,9 +67,9 @@ def kill_worker_at(run_dir: Path, candidate: int, stage: str, killed: list):
 
 def test_parallel_candidates_are_settled_against_the_head_they_would_join(parallel):
     setup, coordinator = parallel({
-        "1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster"),
-        "2-as-fast.patch": new_file_patch("vllm/fake_mode_2.json", mode("exact", 0.0025), "as fast as 1"),
-        "3-conflict.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "same file as 1"),
+        "1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.001), "faster"),
+        "2-as-fast.patch": new_file_patch("vllm/fake_mode_2.json", mode("exact", 0.001), "as fast as 1"),
+        "3-conflict.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.001), "same file as 1"),
         "4-killed.patch": new_file_patch("vllm/fake_mode_4.json", mode("exact", 0.01), "its worker is killed"),
         "5-random.patch": new_file_patch("vllm/fake_mode_5.json", mode("random"), "different tokens"),
     }, workers=3)
