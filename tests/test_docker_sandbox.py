@@ -21,23 +21,11 @@ from agent.task import Sandbox as SandboxConfig
 from sandbox.base import SandboxError, ServerSpec
 from sandbox.docker_backend import DockerSandbox, DockerUnavailable, connect
 from sandbox.docker_spec import SANDBOX_UID
-
-
-def _load_hostile():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("hostile_plant", Path(__file__).parent / "hostile" / "plant.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_hostile = _load_hostile()
-observed = _hostile.observed
+from tests.hostile.plant import hostile_spec, observed
 
 
 def hostile(tmp_path: Path, act: str, name: str | None = None, **fields) -> ServerSpec:
-    return _hostile.hostile_spec(tmp_path, act, name, fields.pop("startup_timeout_s", 120), **fields)
+    return hostile_spec(tmp_path, act, name, fields.pop("startup_timeout_s", 120), **fields)
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(900)]
 

@@ -22,26 +22,14 @@ from sandbox import cgroups, make_sandbox
 from sandbox.base import SandboxError, ServerSpec
 from sandbox.config import SandboxConfig
 from sandbox.namespace import IO_ROOT, NamespaceSandbox, NamespaceUnavailable, probe
+from tests.hostile.plant import hostile_spec, observed
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(900)
 
 
-def _load_hostile():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("hostile_plant", Path(__file__).parent / "hostile" / "plant.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_hostile = _load_hostile()
-observed = _hostile.observed
-
-
 def hostile(tmp_path: Path, act: str, name: str | None = None, **fields) -> ServerSpec:
-    return _hostile.hostile_spec(tmp_path, act, name, fields.pop("startup_timeout_s", 60), **fields)
+    return hostile_spec(tmp_path, act, name, fields.pop("startup_timeout_s", 60), **fields)
 
 
 @pytest.fixture(scope="module", autouse=True)
