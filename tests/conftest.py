@@ -36,3 +36,16 @@ def run_dir(tmp_path):
     path = tmp_path / f"run-{uuid.uuid4().hex[:8]}"
     path.mkdir()
     return path
+
+
+@pytest.fixture(scope="module")
+def vllm_tree(tmp_path_factory, vllm_checkout):
+    """A candidate tree as the loop builds one: a worktree with bytecode and linked compiled parts."""
+    import git
+
+    from agent.build import build
+
+    tree = tmp_path_factory.mktemp("vllm-tree") / "baseline"
+    git.Repo(vllm_checkout).git.worktree("add", "--detach", str(tree), "HEAD")
+    build(0, tree, [])
+    return tree

@@ -246,19 +246,6 @@ def test_leftovers_of_a_killed_run_are_reaped_on_the_next_start(engine, tmp_path
     assert_next_candidate_runs(engine, sandbox, tmp_path)
 
 
-@pytest.fixture(scope="module")
-def vllm_tree(tmp_path_factory, vllm_checkout):
-    """A candidate tree as the loop builds one: a worktree with bytecode and linked compiled parts."""
-    import git
-
-    from agent.build import build
-
-    tree = tmp_path_factory.mktemp("docker-vllm") / "baseline"
-    git.Repo(vllm_checkout).git.worktree("add", "--detach", str(tree), "HEAD")
-    build(0, tree, [])
-    return tree
-
-
 @pytest.mark.vllm
 @pytest.mark.timeout(1800)
 def test_real_vllm_serves_a_greedy_completion_in_the_container(engine, vllm_tree, nightshift_cache, run_dir):

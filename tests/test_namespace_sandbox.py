@@ -357,19 +357,6 @@ def test_servers_start_from_the_exported_caches_at_one_tree_path(tmp_path, run_d
     assert sorted(p.name for p in (seed / "cache" / "torchinductor").iterdir()) == ["kernel-baseline"]
 
 
-@pytest.fixture(scope="module")
-def vllm_tree(tmp_path_factory, vllm_checkout):
-    """A candidate tree as the loop builds one: a worktree with bytecode and linked compiled parts."""
-    import git
-
-    from agent.build import build
-
-    tree = tmp_path_factory.mktemp("namespace-vllm") / "baseline"
-    git.Repo(vllm_checkout).git.worktree("add", "--detach", str(tree), "HEAD")
-    build(0, tree, [])
-    return tree
-
-
 @pytest.mark.vllm
 @pytest.mark.timeout(1800)
 def test_real_vllm_serves_a_greedy_completion_in_the_namespace_sandbox(vllm_tree, nightshift_cache, run_dir):

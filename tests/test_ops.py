@@ -205,10 +205,15 @@ def test_pack_of_a_live_run_keeps_the_complete_lines(run, tmp_path):
     assert "audit ok" in done.stdout and "did not finish" in done.stdout
 
 
-def test_replay_refuses_a_bundle_with_an_extra_commit(run, tmp_path):
+def packed_and_unpacked(run, tmp_path) -> Path:
+    """The finished run, packed and unpacked in a folder of its own."""
     run.finish()
     pack_run(run.dir, tmp_path / "run.tgz")
-    folder = unpack(tmp_path / "run.tgz", tmp_path / "elsewhere")
+    return unpack(tmp_path / "run.tgz", tmp_path / "elsewhere")
+
+
+def test_replay_refuses_a_bundle_with_an_extra_commit(run, tmp_path):
+    folder = packed_and_unpacked(run, tmp_path)
     branch = f"nightshift/{RUN_ID}"
     clone = git.Repo.clone_from(str(folder / "branch.bundle"), tmp_path / "clone", branch=branch)
     (tmp_path / "clone" / "vllm" / "fast.py").write_text("FAST = 'sneaky'\n")
@@ -222,9 +227,7 @@ def test_replay_refuses_a_bundle_with_an_extra_commit(run, tmp_path):
 
 
 def test_replay_refuses_a_changed_trace_byte(run, tmp_path):
-    run.finish()
-    pack_run(run.dir, tmp_path / "run.tgz")
-    folder = unpack(tmp_path / "run.tgz", tmp_path / "elsewhere")
+    folder = packed_and_unpacked(run, tmp_path)
     trace = folder / "trace.jsonl"
     trace.write_bytes(trace.read_bytes().replace(b'"summary":"a faster module"', b'"summary":"a slower module"', 1))
     shutil.rmtree(run.checkout)
@@ -241,9 +244,7 @@ def test_pack_needs_the_checkout(run, tmp_path):
 
 
 def test_replay_names_a_corrupt_bundle(run, tmp_path):
-    run.finish()
-    pack_run(run.dir, tmp_path / "run.tgz")
-    folder = unpack(tmp_path / "run.tgz", tmp_path / "elsewhere")
+    folder = packed_and_unpacked(run, tmp_path)
     bundle = folder / "branch.bundle"
     bundle.write_bytes(bundle.read_bytes()[:-200])
     shutil.rmtree(run.checkout)
