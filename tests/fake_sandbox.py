@@ -1,4 +1,5 @@
 """A Sandbox whose servers are tests/fake_vllm.py processes: same protocol, same process handling."""
+import os
 import shutil
 import subprocess
 import sys
@@ -32,7 +33,8 @@ class FakeSandbox:
         port, log, imports = free_port(), home / "server.log", home / "imports.txt"
         with open(log, "wb") as out:
             process = subprocess.Popen([sys.executable, str(FAKE), str(spec.source_tree), str(port), str(imports)],
-                                       stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                       stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                       env={**os.environ, **spec.env})
         record_server(home, process.pid)
         (home / "tmp").mkdir()
         server = CountedServer(spec, process, port, home, log, imports, home / "tmp")

@@ -19,6 +19,7 @@ patch can turn it into a faster, cheating or nondeterministic candidate:
 """
 import hashlib
 import json
+import os
 import random
 import sys
 import threading
@@ -57,6 +58,8 @@ def next_token(prefix: list[int], crowded: bool) -> int:
     if config["mode"] == "random":
         return random.randrange(4, 4096)
     if config["mode"] == "batched" and crowded:
+        return 4 + (top1(prefix) + 7) % 4090
+    if config["mode"] == "unwatched" and os.environ.get("VLLM_BATCH_INVARIANT") != "1":
         return 4 + (top1(prefix) + 7) % 4090
     if config["mode"] == "neartie" and crowded and margin(prefix) < config.get("near_tie", 0.1):
         return top1(prefix) + 1

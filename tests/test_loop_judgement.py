@@ -238,6 +238,25 @@ def test_a_nondeterministic_setup_refuses_to_start(run):
     assert loop.pool.running == [] and stopped_once(loop)
 
 
+def test_a_candidate_right_only_where_parity_watches_is_rejected_at_the_audit(run):
+    """The candidate sees what its server runs as: right under the parity servers' batch-invariant
+    mode, wrong (by the right number of tokens, faster) on the production configuration, even one
+    request at a time. Parity passes; the audit of the benchmark's own outputs does not."""
+    setup, loop = run(
+        {"1-unwatched.patch": new_file_patch("vllm/fake_mode_1.json", mode("unwatched", 0.0025),
+                                             "fast, right only when watched")},
+        parity={"num_prompts": 4, "input_len": 8, "max_tokens": 8, "regime": "one_batch",
+                "env": {"VLLM_BATCH_INVARIANT": "1"}, "args": {"attention_backend": "TRITON_ATTN"}})
+    finished = loop.run()
+    decision = decisions(setup)[1]
+    assert (decision.verdict, decision.stage) == ("discard", "audit"), decision.reason
+    records = [r.event for r in read_trace(setup.run_dir / "trace.jsonl")]
+    assert next(e for e in records if e.kind == "parity" and e.candidate == 1).ok
+    token_audit = next(e for e in records if e.kind == "audit" and e.candidate == 1)
+    assert token_audit.violation_count > 0 and token_audit.deficits.max == pytest.approx(8.0)
+    assert finished.kept == 0 and audit(setup.run_dir).commits == 0
+
+
 def test_dedicated_parity_servers_start_beside_the_production_ones(run):
     setup, loop = run(
                       {"1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster")},
