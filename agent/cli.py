@@ -56,7 +56,7 @@ def run(
     settings: list[str] = typer.Option([], "--set", help="override a task field, e.g. --set workload.input_len=8192 "
                                        "(repeatable; values are YAML)"),
     quiet: bool = typer.Option(False, help="no live view"),
-    workers: Optional[int] = typer.Option(None, min=1, help="evaluate N candidates at once, one per GPU, on Ray "
+    workers: Optional[int] = typer.Option(None, help="evaluate N candidates at once, one per GPU, on Ray "
                                           "(sandbox.workers; docs/parallel.md)"),
     detach: bool = typer.Option(False, help="run in the background: print the run id and its log, return at once"),
     run_id: Optional[str] = typer.Option(None, hidden=True),
@@ -69,10 +69,12 @@ def run(
     from agent.setup import new_run_id, prepare_run
 
     if resume:
-        if settings or proposer or patches or max_candidates or checkout or run_id or detach or workers:
+        if settings or proposer or patches or max_candidates or checkout or run_id or detach or workers is not None:
             fail("--resume continues the run's recorded task in the foreground; it takes no task options")
         resume_loop(resume, runs_dir, quiet)
         return
+    if workers is not None and workers < 1:
+        fail(f"--workers {workers}: a run needs at least one worker (1 is the single-process loop)")
     task = with_settings(load_task(task_file), settings + ([f"sandbox.workers={workers}"] if workers else []))
     if proposer == "queue" or patches:
         if not patches:
@@ -95,11 +97,11 @@ def run(
             argv += ["--set", setting]
         start_detached(argv, runs_dir, run_id or new_run_id())
         return
-    check_run(task)
     if task.sandbox.workers > 1:
-        from agent.parallel import import_ray
+        from agent.cluster import preflight
 
-        import_ray()
+        preflight(task)
+    check_run(task)
     setup = prepare_run(task, runs_dir, run_id=run_id)
     console.print(f"run [bold]{setup.run_id}[/bold] -> {setup.run_dir}  branch {setup.workspace.branch}",
                   soft_wrap=True)
@@ -120,24 +122,24 @@ def start_detached(argv: list[str], runs_dir: Path, run_id: str) -> None:
     console.print(f"run [bold]{run_id}[/bold] started in the background (pid {child.pid}); log {log}", soft_wrap=True)
 
 
-def resume_loop(run: str, runs_dir: Path, quiet: bool, vllm_version: str | None = None, sandbox=None) -> None:
+def resume_loop(run: str, runs_dir: Path, quiet: bool, vllm_version: str | None = None, sandbox=None,
+                worker_sandbox=None) -> None:
     from agent.resume import describe, resume_run
 
     started = time.monotonic()
     setup, proposer, sandbox, state = resume_run(run, runs_dir, vllm_version=vllm_version, sandbox=sandbox)
     console.print(f"run [bold]{setup.run_id}[/bold] {escape(describe(state.event))} "
                   f"(checked in {time.monotonic() - started:.1f} s)", soft_wrap=True)
-    run_loop(setup, proposer, quiet, sandbox=sandbox, resume=state)
+    run_loop(setup, proposer, quiet, sandbox=sandbox, resume=state, worker_sandbox=worker_sandbox)
 
 
-def run_loop(setup, proposer, quiet: bool, sandbox=None, resume=None) -> None:
+def run_loop(setup, proposer, quiet: bool, sandbox=None, resume=None, worker_sandbox=None) -> None:
+    """`worker_sandbox(config, folder)`: a parallel worker's sandbox (default: the task's backend)."""
     from agent.loop import Loop
     from agent.report import write_summary
     from agent.view import LiveView
 
     trace = setup.run_dir / "trace.jsonl"
-    if resume and setup.task.sandbox.workers > 1:
-        fail("a parallel run (sandbox.workers > 1) cannot be resumed; start it again")
     view = LiveView(setup.task, console, enabled=not quiet)
     signal.signal(signal.SIGTERM, _terminate)
     try:
@@ -145,7 +147,8 @@ def run_loop(setup, proposer, quiet: bool, sandbox=None, resume=None) -> None:
             if setup.task.sandbox.workers > 1:
                 from agent.parallel import Parallel
 
-                finished = Parallel(setup, proposer, on_event=view.update, on_workers=view.show_workers).run()
+                finished = Parallel(setup, proposer, on_event=view.update, sandbox_factory=worker_sandbox,
+                                    on_workers=view.show_workers, resume=resume).run()
             else:
                 finished = Loop(setup, proposer, on_event=view.update, sandbox=sandbox, resume=resume).run()
     except NightshiftError as exc:
@@ -263,6 +266,36 @@ def checkout(dest: Optional[Path] = typer.Option(None, help="where to create it 
 
     path, version = create_checkout(dest)
     console.print(json.dumps({"checkout": str(path), "vllm_version": version, "tag": f"v{version}"}))
+
+
+@app.command()
+def noise(task_file: Path = typer.Argument(DEFAULT_TASK, help="task YAML"),
+          aa: int = typer.Option(10, "--aa", help="A/A benchmarks: the baseline against a second copy of itself"),
+          patch: list[Path] = typer.Option([], "--patch", help="a patch with a known effect (repeatable)"),
+          repeat: int = typer.Option(10, help="benchmarks of each patch"),
+          settings: list[str] = typer.Option([], "--set", help="override a task field (repeatable)"),
+          runs_dir: Path = typer.Option(Path("runs"), help="where the study's folder is written")):
+    """What this machine's benchmark can see: false accepts and the minimum detectable effect from repeated
+    A/As, and how often a known effect is detected; servers start once (runs/<id>/noise.json, noise.md)."""
+    from agent.noise_study import study
+    from agent.preflight import check_run
+    from agent.setup import new_run_id, prepare_run
+
+    if aa < 0 or repeat < 1:
+        fail(f"--aa {aa} --repeat {repeat}: counts must be positive")
+    if aa < 2 and not patch:
+        fail("a noise study needs at least 2 A/A benchmarks (--aa) or a patch (--patch)")
+    for path in patch:
+        if not path.is_file():
+            fail(f"patch file not found: {path}")
+    task = with_settings(load_task(task_file), settings)
+    check_run(task)
+    setup = prepare_run(task, runs_dir, run_id=f"noise-{new_run_id()}")
+    console.print(f"noise study [bold]{setup.run_id}[/bold] -> {setup.run_dir}", soft_wrap=True)
+    data = study(setup, aa, patch, repeat, on_line=console.print)
+    console.print((setup.run_dir / "noise.md").read_text(), soft_wrap=True, markup=False)
+    console.print(f"written: {setup.run_dir / 'noise.json'}")
+    return data
 
 
 @app.command()

@@ -3,46 +3,27 @@
 Workers (agent/worker.py, one Ray actor per GPU) evaluate; this coordinator alone writes the trace and the branch.
 It settles results in candidate order. A keep measured against an incumbent that is no longer the branch head
 is not kept on that evidence: it is measured again on its worker against the new head (`remeasured`), where a
-patch that no longer applies is discarded as stale. So each commit's evidence is against its own parent."""
+patch that no longer applies is discarded as stale. So each commit's evidence is against its own parent.
+A killed run resumes (agent/resume.py) with the candidates that were in flight evaluated again, in order."""
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from agent.commits import commit_message
 from agent.proposers.base import Attempt, ProposalContext, Proposer, ProposerExhausted
 from agent.setup import RunSetup
+from agent.cluster import import_ray, preflight
 from agent.worker import Worker, WorkerResult, plain_setup
 from sandbox.local import reap_servers
-from traces.errors import NightshiftError
 from traces.schema import AnyEvent, Commit, Decision, Proposal, Remeasured, RunFinished
 
-
-class ParallelError(NightshiftError):
-    stage = "workers"
-
-
-def import_ray():
-    try:
-        import ray
-    except ImportError:
-        raise ParallelError("parallel mode (sandbox.workers > 1) needs Ray: pip install 'nightshift[ray]'") from None
-    return ray
-
-
-def connect(task) -> None:
-    """Join the cluster at sandbox.ray_address or RAY_ADDRESS, else start Ray on this host (or use one started)."""
-    ray = import_ray()
-    if ray.is_initialized():
-        return
-    address = task.sandbox.ray_address or os.environ.get("RAY_ADDRESS")
-    ray.init(address=address, include_dashboard=False, log_to_driver=False) if address else \
-        ray.init(include_dashboard=False, log_to_driver=False)
+if TYPE_CHECKING:
+    from agent.resume import Resumption
 
 
 def DEATHS(ray) -> tuple:
@@ -65,20 +46,26 @@ class Slot:
 
 class Parallel:
     def __init__(self, setup: RunSetup, proposer: Proposer, on_event: Callable[[AnyEvent], None] = lambda e: None,
-                 sandbox_factory: Callable | None = None, on_workers: Callable[[list[dict]], None] = lambda rows: None):
+                 sandbox_factory: Callable | None = None, on_workers: Callable[[list[dict]], None] = lambda rows: None,
+                 resume: Resumption | None = None):
         self.s, self.task, self.proposer, self.on_event = setup, setup.task, proposer, on_event
-        self.sandbox_factory, self.on_workers = sandbox_factory, on_workers
-        self.history: list[Attempt] = []
-        self.best_speedup, self.kept, self.head = 1.0, 0, setup.base_commit
-        self.proposals: dict[int, Proposal] = {}
+        self.sandbox_factory, self.on_workers, self.resume = sandbox_factory, on_workers, resume
+        self.history: list[Attempt] = list(resume.history) if resume else []
+        self.best_speedup, self.kept = (resume.best_speedup, resume.kept) if resume else (1.0, 0)
+        self.head = setup.workspace.head()
+        self.redo: list[Proposal] = list(resume.redo) if resume else []
+        """Candidates in flight when the run was killed, evaluated again before any new proposal."""
+        self.proposals: dict[int, Proposal] = {a.proposal.candidate: a.proposal for a in self.history}
+        self.proposals.update({p.candidate: p for p in self.redo})
+        self.proposed_on: dict[int, str] = dict(resume.proposed_on) if resume else {}
+        """The branch head each candidate was proposed on."""
         self.results: dict[int, WorkerResult | Exception] = {}
         self.flight: dict = {}
         """Ray object ref -> (slot, candidate) for every evaluation under way."""
         self.slots: list[Slot] = []
         self.view: tuple[str, Path] | None = None
         """The branch head's tree, which proposers read."""
-        self.settled: set[int] = set()
-        self.remeasured: set[int] = set()
+        self.settled: set[int] = {a.proposal.candidate for a in self.history}
         self.spans: list[tuple[int, int, float, float]] = []
         """(worker, candidate, started, finished) of every evaluation, for the run's own accounting."""
 
@@ -88,19 +75,16 @@ class Parallel:
         return sha
 
     def gpu_hours(self) -> float:
-        now = time.time()
+        """Held by this process's workers, and (a resumed run) by all workers for the time spent before."""
+        now, box = time.time(), self.task.sandbox
         held = sum((slot.ended or now) - slot.started for slot in self.slots)
-        return held * self.task.sandbox.gpus_per_candidate / 3600
+        before = self.resume.spent_s * box.workers if self.resume else 0.0
+        return (held + before) * box.gpus_per_candidate / 3600
 
     def spawn(self):
-        ray = import_ray()
-        connect(self.task)
+        ray = preflight(self.task)
         box = self.task.sandbox
-        need, resource = box.workers * box.gpus_per_candidate, box.gpu_resource
-        have = ray.cluster_resources().get(resource, 0)
-        if have < need:
-            raise ParallelError(f"sandbox.workers {box.workers} x gpus_per_candidate {box.gpus_per_candidate} needs "
-                                f"{need} {resource}, the Ray cluster has {have:g}")
+        resource = box.gpu_resource
         options = ({"num_gpus": box.gpus_per_candidate} if resource == "GPU"
                    else {"resources": {resource: box.gpus_per_candidate}})
         remote = ray.remote(max_restarts=0, max_task_retries=0, **options)(RayWorker)
@@ -111,9 +95,12 @@ class Parallel:
         return ray
 
     def run(self) -> RunFinished:
-        started, reason = time.time(), "budget: candidates"
+        started, reason = time.time() - (self.resume.spent_s if self.resume else 0.0), "budget: candidates"
         try:
-            self.emit(self.s.run_started())
+            self.emit(self.resume.event if self.resume else self.s.run_started())
+            if self.resume:
+                self.resume.settle_keep(self.s, self.emit)
+                self.head = self.s.workspace.head()
             ray = self.spawn()
             starts = [slot.actor.start.remote(self.head) for slot in self.slots]
             for slot, ref in zip(self.slots, starts):
@@ -174,6 +161,9 @@ class Parallel:
     def fill(self) -> str:
         """One proposal per idle worker, none the same patch as another in flight."""
         for slot in self.idle():
+            if self.redo:
+                self.submit(slot, self.redo.pop(0))
+                continue
             if len(self.proposals) >= self.task.budget.max_candidates:
                 return "budget: candidates"
             n = len(self.proposals) + 1
@@ -188,7 +178,7 @@ class Parallel:
             except ProposerExhausted as exc:
                 return f"{'proposer failed' if exc.kind == 'fatal' else 'proposer exhausted'}: {exc}"
             proposal.candidate = n
-            self.proposals[n] = proposal
+            self.proposals[n], self.proposed_on[n] = proposal, self.head
             self.emit(proposal)
             self.submit(slot, proposal)
         return ""
@@ -265,12 +255,11 @@ class Parallel:
                                             f"now {self.head[:12]}" + (": measured again against it" if alive
                                                                        else "; its worker died")))
                 if alive:
-                    self.remeasured.add(n)
                     self.submit(slot, proposal)
                     return False
                 decision = Decision(candidate=n, verdict="crash", stage="start",
                                     reason="stale, and its worker died before measuring it again")
-        if n in self.remeasured and decision.stage == "apply":
+        if decision.stage == "apply" and result.measured_against != self.proposed_on.get(n, result.measured_against):
             decision = decision.model_copy(update={"reason": f"stale: no longer applies on {self.head[:12]}: "
                                                              f"{decision.reason}"})
         sha = self.emit(decision)

@@ -7,7 +7,8 @@ branch head with its serving flags, the history and the budget spent are the tra
 its own state from the records (`Proposer.restore`). The dead harness's servers and worktrees are removed, the
 baseline phase runs again, and the candidate in flight at the kill is evaluated again from its recorded
 proposal. A keep decided but not recorded as committed is committed exactly once: found on the branch by its
-`Nightshift-Trace-Event` trailer, or made.
+`Nightshift-Trace-Event` trailer, or made. A parallel run (agent/parallel.py) resumes the same way, with every
+candidate that was in flight evaluated again and its dead workers (on this host) and their servers reaped.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import git
@@ -28,6 +29,7 @@ from agent.proposers import Proposer, make_proposer
 from agent.proposers.base import Attempt
 from agent.setup import RunSetup, _version, lock_run
 from agent.task import parse_task
+from agent.reaping import reap_workers
 from agent.workspace import Workspace
 from sandbox import make_sandbox
 from sandbox.base import Sandbox
@@ -64,14 +66,17 @@ class Resumption:
     best_speedup: float
     kept: int
     spent_s: float
-    redo: Proposal | None = None
+    redo: list[Proposal] = field(default_factory=list)
+    """The proposals in flight at the kill, by candidate number: each is evaluated again."""
     pending: PendingKeep | None = None
+    proposed_on: dict[int, str] = field(default_factory=dict)
+    """The branch head when each candidate was proposed."""
 
     def in_flight(self, n: int) -> Proposal | None:
         """The recorded proposal of candidate n if it was in flight at the kill (once)."""
-        if self.redo is None or self.redo.candidate != n:
-            return None
-        proposal, self.redo = self.redo, None
+        proposal = next((p for p in self.redo if p.candidate == n), None)
+        if proposal is not None:
+            self.redo.remove(proposal)
         return proposal
 
     def settle_keep(self, setup: RunSetup, emit) -> None:
@@ -121,21 +126,23 @@ def rebuild(records: list[Record]) -> Resumption:
     """The run's state from its trace: history, kept, best speedup, wall clock spent, what was in flight."""
     proposals: dict[int, Proposal] = {}
     decisions: dict[int, Record] = {}
+    proposed_on, head = {}, records[0].event.base_commit
     committed = {r.event.decision_sha256 for r in records if isinstance(r.event, Commit)}
     for record in records:
         if isinstance(record.event, Proposal):
             proposals[record.event.candidate] = record.event
+            proposed_on[record.event.candidate] = head
         elif isinstance(record.event, Decision):
             decisions[record.event.candidate] = record
+        elif isinstance(record.event, Commit):
+            head = record.event.commit
     history = [Attempt(proposals[n], decisions[n].event) for n in sorted(decisions, key=lambda n: decisions[n].seq)]
     keeps = [r for r in decisions.values() if r.event.verdict == "keep"]
     pending = next((r for r in keeps if r.sha256 not in committed), None)
     best = math.prod(r.event.speedup for r in keeps)
-    redo = max(proposals.values(), key=lambda p: p.candidate, default=None)
-    if redo is not None and redo.candidate in decisions:
-        redo = None
+    redo = [proposals[n] for n in sorted(proposals) if n not in decisions]
     state = Resumption(event=None, history=history, best_speedup=best, kept=len(keeps), spent_s=_spent(records),
-                       redo=redo)
+                       redo=redo, proposed_on=proposed_on)
     if pending is not None:
         state.pending = _pending(records, pending, proposals[pending.event.candidate])
     return state
@@ -181,12 +188,15 @@ def open_run(run_dir: Path, started: RunStarted, vllm_version: str | None, lock)
 
 
 def remove_worktrees(setup: RunSetup) -> int:
-    """The dead harness's worktrees of this run, all of them: a resumed run makes its own."""
-    root = (setup.run_dir / "worktrees").resolve()
-    listed = setup.repo.git.worktree("list", "--porcelain").splitlines()
-    paths = [Path(line.split(" ", 1)[1]) for line in listed if line.startswith("worktree ")]
-    ours = [p for p in paths if root in p.resolve().parents]
-    for path in ours:
+    """The dead harness's worktrees of this run (its parallel workers' too), all of them: a resumed run makes its
+    own. One it was still creating is locked; it is unlocked first."""
+    root = setup.run_dir.resolve()
+    blocks = [block.splitlines() for block in setup.repo.git.worktree("list", "--porcelain").split("\n\n")]
+    ours = [(Path(b[0].split(" ", 1)[1]), any(line.startswith("locked") for line in b)) for b in blocks
+            if b and b[0].startswith("worktree ") and root in Path(b[0].split(" ", 1)[1]).resolve().parents]
+    for path, locked in ours:
+        if locked:
+            setup.repo.git.worktree("unlock", str(path))
         setup.workspace.remove(path)
     setup.repo.git.worktree("prune")
     return len(ours)
@@ -218,8 +228,12 @@ def resume_run(run: str, runs_dir: Path, vllm_version: str | None = None,
         state.pending.found = checked.pending_commit
     proposer = make_proposer(setup.task)
     proposer.restore(records)
+    if setup.task.sandbox.workers > 1:
+        from agent.cluster import preflight
+
+        preflight(setup.task)
     sandbox = sandbox or make_sandbox(setup.task.sandbox, run_dir)
-    reaped = sandbox.reap()
+    reaped = sandbox.reap() + reap_workers(run_dir)
     removed = remove_worktrees(setup)
     if torn:
         os.truncate(trace, keep)
@@ -230,7 +244,7 @@ def resume_run(run: str, runs_dir: Path, vllm_version: str | None = None,
         after_seq=last.seq, after_event=last.event.kind + (f" of candidate {last.event.candidate}"
                                                            if getattr(last.event, "candidate", 0) else ""),
         dropped_bytes=len(torn), dropped=torn[:300].decode(errors="replace"),
-        candidate=state.redo.candidate if state.redo else 0,
+        candidate=state.redo[0].candidate if state.redo else 0, in_flight=[p.candidate for p in state.redo],
         pending_keep="" if pending is None else (f"found {pending.found}" if pending.found else "commit"),
         head_commit=setup.workspace.head(), candidates_done=len(state.history), kept=state.kept,
         best_speedup=state.best_speedup, spent_s=round(state.spent_s, 3),
@@ -246,8 +260,10 @@ def describe(event: Resumed) -> str:
     if event.pending_keep:
         what.append("the last keep " + ("found on the branch" if event.pending_keep.startswith("found")
                                         else "committed now"))
-    if event.candidate:
-        what.append(f"candidate {event.candidate} evaluated again from its proposal")
+    again = event.in_flight or [event.candidate] * bool(event.candidate)
+    if again:
+        what.append(f"candidate{'s' * (len(again) > 1)} {', '.join(map(str, again))} evaluated again from "
+                    f"{'their proposals' if len(again) > 1 else 'its proposal'}")
     what.append(f"{event.candidates_done} candidates done, {event.kept} kept, {event.spent_s:.0f} s spent, "
                 f"{event.reaped} leftover server(s) killed")
     return "resumed " + "; ".join(what)

@@ -178,10 +178,10 @@ class Budget(Strict):
     max_usd: float | None = Field(None, ge=0)
     max_llm_tokens: int | None = Field(None, gt=0)
     candidate_timeout_s: float | None = Field(None, gt=0)
-    max_gpu_hours: float | None = Field(None, gt=0)
-    """GPU-hours held by a parallel run's workers, all of them together."""
     """Wall clock one candidate may take, from its worktree to its decision; past it, its servers are killed
     and it is decided `timeout` (a hung start or benchmark), and the run goes on."""
+    max_gpu_hours: float | None = Field(None, gt=0)
+    """GPU-hours held by a parallel run's workers, all of them together."""
 
 
 class FlagsProposer(Strict):

