@@ -41,9 +41,10 @@ def check_decisions(records: list[Record]) -> int:
                 raise TraceError(line, f"audit of candidate {event.candidate}: {event.violation_count} violations "
                                        f"do not follow from max deficit {event.deficits.max} against tol "
                                        f"{event.tolerance_nats}")
-        elif isinstance(event, (Resumed, Remeasured)):  # evaluated again: the candidate's old evidence is void
-            reports = {key: r for key, r in reports.items() if key[0] != event.candidate}
-            audits = {key: a for key, a in audits.items() if key[0] != event.candidate}
+        elif isinstance(event, (Resumed, Remeasured)):  # evaluated again: the candidates' old evidence is void
+            void = {event.candidate, *getattr(event, "in_flight", [])}
+            reports = {key: r for key, r in reports.items() if key[0] not in void}
+            audits = {key: a for key, a in audits.items() if key[0] not in void}
         elif isinstance(event, Decision) and event.stage in ("audit", "decision") and event.verdict != "timeout":
             _check_decision(event, line, reports, audits, acceptance, audited)
             checked += 1

@@ -65,7 +65,7 @@ class Loop:
                  sandbox: Sandbox | None = None, resume: Resumption | None = None):
         self.s, self.task, self.proposer, self.on_event = setup, setup.task, proposer, on_event
         self.pool = ServerPool(self.task, sandbox or make_sandbox(self.task.sandbox, setup.run_dir), setup.model.path,
-                               setup.run_id, setup.cache_seed)
+                               setup.run_id, setup.cache_seed, setup.run_dir / "server_starts.jsonl")
         self.resume = resume
         self.history: list[Attempt] = list(resume.history) if resume else []
         self.best_speedup, self.kept = (resume.best_speedup, resume.kept) if resume else (1.0, 0)

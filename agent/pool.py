@@ -2,8 +2,10 @@
 stopped here exactly once. Servers of the unmodified baseline tree export their compile caches."""
 from __future__ import annotations
 
+import json
 import math
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +27,12 @@ class ServerRequest:
 
 
 class ServerPool:
-    def __init__(self, task: Task, sandbox: Sandbox, model_dir: Path, run_id: str, cache_seed: Path | None = None):
+    def __init__(self, task: Task, sandbox: Sandbox, model_dir: Path, run_id: str, cache_seed: Path | None = None,
+                 starts_log: Path | None = None):
         self.task, self.sandbox, self.model_dir, self.run_id = task, sandbox, Path(model_dir), run_id
         self.cache_seed = cache_seed
+        self.starts_log = starts_log
+        """Where each start's duration goes, a JSON line per server (operational, not part of the trace)."""
         """Kept across runs: only servers of the unmodified vLLM (every run's baseline) export to it."""
         self.trusted: Path | None = None
         self.running: list[Server] = []
@@ -58,13 +63,27 @@ class ServerPool:
                           gpus=self.task.sandbox.gpus, cache_seed=seed)
 
     def _start_one(self, request: ServerRequest) -> Server:
-        server = self.sandbox.start(self.spec(request))
+        began = time.monotonic()
+        try:
+            server = self.sandbox.start(self.spec(request))
+        except BaseException as exc:
+            self._log_start(request, began, type(exc).__name__)
+            raise
+        self._log_start(request, began, "ok")
         with self._lock:
             self.running.append(server)
         if self.cache_seed is not None and self.trusted is not None and Path(request.tree) == self.trusted:
             with self._lock:
                 self.sandbox.export_cache(server, self.cache_seed)
         return server
+
+    def _log_start(self, request: ServerRequest, began: float, outcome: str) -> None:
+        if self.starts_log is None:
+            return
+        line = {"server": request.name, "parity": request.parity, "trusted": Path(request.tree) == self.trusted,
+                "backend": self.task.sandbox.backend, "seconds": round(time.monotonic() - began, 2), "outcome": outcome}
+        with self._lock, open(self.starts_log, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
     def start(self, requests: list[ServerRequest]) -> list[Server]:
         """Start every request (side by side unless sandbox.parallel_starts is off); if one fails, the

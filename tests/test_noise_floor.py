@@ -19,7 +19,7 @@ def events(setup):
 
 def test_the_a_a_runs_before_the_first_candidate_and_warns_when_it_cannot_see_min_speedup(run):
     setup, loop = run({"1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster")},
-                      benchmark=BENCH, acceptance={"min_speedup": 1.01, "confidence": 0.95, "confirmations": 0})
+                      benchmark=BENCH, acceptance={"min_speedup": 1.0001, "confidence": 0.95, "confirmations": 0})
     loop.run()
     kinds = [e.kind for e in events(setup)]
     assert kinds.index("noise_floor") < kinds.index("proposal")
@@ -29,8 +29,10 @@ def test_the_a_a_runs_before_the_first_candidate_and_warns_when_it_cannot_see_mi
     assert floor.metric == "steady_total_tokens_per_s"
     assert 0 < floor.cv_incumbent < 0.5 and 0 < floor.cv_peer < 0.5 and floor.log_ratio_sd > 0
     assert 0.8 < floor.speedup < 1.25 and floor.ci_low < 1.0 < floor.ci_high  # a server against itself
-    assert floor.mde_speedup > 1.01 and "benchmark.repetitions" in floor.warning
-    assert floor.pairs_needed > 4 and f"about {floor.pairs_needed}" in floor.warning
+    # 4 pairs of real processes never see 0.01%: a quiet A/A once gave an MDE of 1.009, above 1.0001 still
+    assert floor.mde_speedup > 1.0001 and "benchmark.repetitions" in floor.warning
+    assert (floor.pairs_needed is None and "far more" in floor.warning
+            or floor.pairs_needed > 4 and f"about {floor.pairs_needed}" in floor.warning)
     names = [spec.name for spec in loop.pool.sandbox.started]
     assert "baseline-aa" not in names  # without dedicated parity servers the reference is the A/A's peer
     write_summary(setup.run_dir)
