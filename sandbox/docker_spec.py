@@ -12,7 +12,6 @@ import re
 from pathlib import Path
 from typing import Any, Mapping
 
-from docker.types import DeviceRequest
 
 from sandbox.base import ServerSpec, build_env, serve_argv
 
@@ -88,5 +87,6 @@ def container_spec(spec: ServerSpec, *, image: str, run: str, io_dir: Path, reco
     if cpus:
         kwargs["nano_cpus"] = int(cpus * 1e9)
     if gpus:
+        from docker.types import DeviceRequest  # only the docker backend needs the docker package
         kwargs["device_requests"] = [DeviceRequest(device_ids=[str(g) for g in gpus], capabilities=[["gpu"]])]
     return kwargs

@@ -8,8 +8,8 @@ from a per-server cgroup (sandbox/cgroups.py), or from rlimits where no cgroup i
 """
 from __future__ import annotations
 
+import compileall
 import functools
-import importlib.util
 import json
 import logging
 import os
@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from sandbox import cgroups
@@ -41,6 +42,8 @@ SYSTEM = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
 ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "timezone", "ssl", "ca-certificates",
        "alternatives", "mime.types", "os-release", "gai.conf", "protocols", "services")
 UNSHARE = ("--mount", "--pid", "--net", "--ipc", "--uts", "--cgroup", "--fork", "--kill-child")
+HARNESS = Path(__file__).resolve().parents[1]
+"""The harness's own source: never bound into a sandbox, never on its import path."""
 UID_RANGE = (100_000, 165_536)
 STOP_GRACE_S = 15
 INIT_FAILED = 125
@@ -72,11 +75,37 @@ def probe() -> tuple[bool, str]:
 def python_roots() -> list[Path]:
     """What the interpreter and the installed vLLM need, beyond /usr: its prefixes and site folders."""
     roots = {Path(os.path.realpath(p)) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
-    spec = importlib.util.find_spec("vllm")
-    if spec is not None and spec.origin:
-        roots.add(Path(os.path.realpath(spec.origin)).parent.parent)
+    roots |= set(import_path())
     roots = {r for r in roots if r.is_dir() and not r.is_relative_to("/usr")}
     return sorted(r for r in roots if not any(r != o and r.is_relative_to(o) for o in roots))
+
+
+def import_path() -> list[Path]:
+    """The harness interpreter's import path (site folders, PYTHONPATH), without the harness's own source."""
+    found = []
+    for entry in sys.path:
+        path = Path(os.path.realpath(entry)) if entry else None
+        if path and path.is_dir() and not path.is_relative_to(HARNESS) and path not in found:
+            found.append(path)
+    return found
+
+
+_compiled: set[Path] = set()
+_compile_lock = threading.Lock()
+
+
+def precompile(folders: list[Path]) -> float:
+    """Write the bytecode the server would otherwise compile at every start: its tree and site folders are
+    read-only inside, so without it each of its processes compiles every module it imports from source.
+    Once per folder and harness; files whose bytecode is current are skipped. Returns the seconds spent."""
+    began = time.monotonic()
+    with _compile_lock:
+        for folder in folders:
+            if folder in _compiled or not folder.is_dir() or not os.access(folder, os.W_OK):
+                continue
+            compileall.compile_dir(str(folder), quiet=2, workers=0)
+            _compiled.add(folder)
+    return round(time.monotonic() - began, 2)
 
 
 def etc_files(uid: int) -> dict[str, str]:
@@ -110,6 +139,21 @@ def host_layout() -> tuple[list[list], list[list]]:
 
 def gpu_devices(gpus: list[int]) -> list[str]:
     return sorted(p.name for p in Path("/dev").glob("nvidia*")) if gpus else []
+
+
+def prlimits(c: SandboxConfig, gpus: list[int]) -> dict[str, int]:
+    """Limits without a cgroup. No address-space cap on a GPU server: CUDA reserves address space for the
+    device's memory and more, so any cap low enough to mean something stops the server from starting."""
+    limits = {"NPROC": max(1, c.pids_limit - 1)}
+    if not gpus:
+        limits["AS"] = int(c.memory_gb * (1 << 30))
+    return limits
+
+
+def memory_cap(limits: str, gpus: list[int]) -> str:
+    if limits != "prlimit":
+        return f"cgroup {limits}"
+    return "none (no writable cgroup, and CUDA rules out RLIMIT_AS)" if gpus else "RLIMIT_AS per process"
 
 
 def classify(returncode: int | None, logs: str, oom_kills: int, limits: str) -> Outcome:
@@ -270,6 +314,8 @@ class NamespaceSandbox:
             for root in (tree, model):
                 if changed := open_for_reading(root):
                     log.info("made %d paths under %s readable for the sandbox user", changed, root)
+        site = [Path(p).resolve() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        compiled_s = precompile([tree / "vllm", *(p for p in site if not p.is_relative_to(HARNESS))])
         gpus = list(spec.gpus or c.gpus)
         memory = int(c.memory_gb * (1 << 30))
         group = None
@@ -289,7 +335,8 @@ class NamespaceSandbox:
         argv = ["sh", "-c", JOIN, "sh", *(group.procs_files if group else []), "--", "unshare", *UNSHARE,
                 *(["--user", "--map-root-user"] if userns else []), sys.executable, "-I", "-S", str(INIT)]
         isolation = {"namespaces": ["mount", "pid", "net", "ipc", "uts", "cgroup"] + (["user"] if userns else []),
-                     "userns": userns, "identity": how, "limits": limits, "uid": uid, "gpus": gpus}
+                     "userns": userns, "identity": how, "limits": limits, "uid": uid, "gpus": gpus,
+                     "memory_cap": memory_cap(limits, gpus), "precompiled_s": compiled_s}
         with open(log_path, "wb") as out:
             try:
                 process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
@@ -319,9 +366,7 @@ class NamespaceSandbox:
         binds, links = host_layout()
         binds += [[str(Path(spec.source_tree).resolve()), TREE, False], [str(Path(spec.model_dir).resolve()), MODEL, False],
                   [str(RECORDER.resolve()), RECORDER_AT, False], [str(folder / "io"), IO, True]]
-        rlimits = {}
-        if limits == "prlimit":
-            rlimits = {"AS": int(c.memory_gb * (1 << 30)), "NPROC": max(1, c.pids_limit - 1)}
+        rlimits = prlimits(c, gpus) if limits == "prlimit" else {}
         inside = spec.model_copy(update={"model_dir": Path(MODEL)})
         argv = [os.path.realpath(sys.executable), "-m", "vllm.entrypoints.cli.main", *serve_argv(inside),
                 "--uds", f"{IO}/{SOCKET_NAME}"]
@@ -373,9 +418,7 @@ def _io_root() -> Path:
 
 
 def sandbox_env(spec: ServerSpec, gpus: list[int]) -> dict[str, str]:
-    prefixes = [str(r) for r in python_roots()]
-    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                 if p and any(Path(p).resolve().is_relative_to(r) for r in prefixes)]
+    inherited = [str(p) for p in import_path() if not p.is_relative_to("/usr")]
     fixed = {
         "PATH": os.pathsep.join([str(Path(os.path.realpath(sys.executable)).parent), "/usr/local/bin", "/usr/bin", "/bin"]),
         "HOME": SCRATCH, "TMPDIR": SCRATCH, "USER": "nightshift", "LOGNAME": "nightshift",

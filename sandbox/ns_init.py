@@ -55,13 +55,24 @@ def inherited_flags(path):
     return sum(ms for st, ms in ST_TO_MS.items() if flag & st)
 
 
+def mounts_under(target):
+    """Mount points at or below `target`, parents first (from this namespace's mountinfo)."""
+    top = os.path.realpath(target)
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4].replace("\\040", " ") for line in f]
+    return [p for p in dict.fromkeys(points) if p == top or p.startswith(top.rstrip("/") + "/")]
+
+
 def bind(source, target, writable=False, devices=False):
-    mount(source, target, None, MS_BIND)
-    flags = MS_BIND | MS_REMOUNT | MS_NOSUID | inherited_flags(target)
-    flags |= 0 if writable else MS_RDONLY
-    flags |= 0 if devices else MS_NODEV
-    flags |= MS_NOEXEC if writable and not devices else 0
-    mount(None, target, None, flags)
+    """Recursive: a host folder's submounts come along (a container's driver files bound into /usr, say), and
+    each is remounted with the same restrictions."""
+    mount(source, target, None, MS_BIND | (MS_REC if os.path.isdir(source) else 0))
+    for point in mounts_under(target) if os.path.isdir(source) else [target]:
+        flags = MS_BIND | MS_REMOUNT | MS_NOSUID | inherited_flags(point)
+        flags |= 0 if writable else MS_RDONLY
+        flags |= 0 if devices else MS_NODEV
+        flags |= MS_NOEXEC if writable and not devices else 0
+        mount(None, point, None, flags)
 
 
 def inside(root, path):
@@ -86,6 +97,8 @@ def build_root(plan):
     root = plan["root"]
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=16m,mode=0755")
+    scratch = inside(root, plan["scratch"])
+    tmpfs(scratch, plan["tmpfs_mb"], "1777")  # first: binds under /tmp (an interpreter's site folder) go over it
     for link, target in plan["symlinks"]:
         make_target(os.path.dirname(inside(root, link)), True)
         os.symlink(target, inside(root, link))
@@ -98,8 +111,6 @@ def build_root(plan):
         bind(source, inside(root, target), writable)
     for path in plan["empty_dirs"]:
         make_target(inside(root, path), True)
-    scratch = inside(root, plan["scratch"])
-    tmpfs(scratch, plan["tmpfs_mb"], "1777")
     if plan["seed"] and os.path.isdir(plan["seed"]):
         seed_caches(plan["seed"], scratch, plan["cache_dirs"], plan["uid"], plan["gid"])
     build_dev(root, plan)
@@ -115,12 +126,17 @@ def build_root(plan):
 
 
 def seed_caches(seed, scratch, names, uid, gid):
+    """Copy the seed's cache folders into the scratch, owned by the server's user (only those: read-only binds
+    of the host's folders may sit under the scratch too)."""
     for name in names:
-        if os.path.isdir(os.path.join(seed, name)):
-            shutil.copytree(os.path.join(seed, name), os.path.join(scratch, name), symlinks=True, dirs_exist_ok=True)
-    for top, dirs, files in os.walk(scratch):
-        for name in [*dirs, *files]:
-            os.lchown(os.path.join(top, name), uid, gid)
+        if not os.path.isdir(os.path.join(seed, name)):
+            continue
+        copied = os.path.join(scratch, name)
+        shutil.copytree(os.path.join(seed, name), copied, symlinks=True, dirs_exist_ok=True)
+        os.lchown(copied, uid, gid)
+        for top, dirs, files in os.walk(copied):
+            for entry in [*dirs, *files]:
+                os.lchown(os.path.join(top, entry), uid, gid)
 
 
 def build_dev(root, plan):

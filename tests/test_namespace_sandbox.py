@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -101,8 +102,9 @@ def test_benign_candidate_is_contained_and_records_imports(tmp_path, run_dir, na
         for path in ("/", "/usr", "/sandbox/tree", "/sandbox/model", "/sandbox/recorder", "/dev"):
             assert mounts[path].startswith("ro,"), (path, mounts[path])
         assert mounts["/sandbox/io"].startswith("rw,") and mounts["/tmp"].startswith("rw,")
-        assert not [m for m in mounts if m.startswith(("/work", "/home", "/tmp/", "/run", "/var", "/root/.ssh"))]
-        assert {m for m in mounts if m.startswith("/root")} <= {str(r) for r in sandbox_python_roots()}
+        roots = sandbox_python_roots()  # the interpreter's folders, wherever they are (under /tmp on the GPU machine)
+        outside = [m for m in mounts if not any(Path(m).is_relative_to(r) for r in roots)]
+        assert not [m for m in outside if m.startswith(("/work", "/home", "/tmp/", "/run", "/var", "/root"))]
         assert server.isolation["userns"] == userns and server.isolation["limits"] == cgroups.detect()
         assert observed(server)["uid"] == server.isolation["uid"] and (userns or server.isolation["uid"] != 0)
         [child] = Path(f"/proc/{init}/task/{init}/children").read_text().split()
@@ -393,3 +395,65 @@ def test_real_vllm_serves_a_greedy_completion_in_the_namespace_sandbox(vllm_tree
     finally:
         local.stop()
     assert same["choices"][0]["token_ids"] == choice["token_ids"], "the sandbox changed the greedy output"
+
+
+def test_without_a_cgroup_a_gpu_server_gets_no_address_space_cap():
+    from sandbox.namespace import memory_cap, prlimits
+
+    c = config(memory_gb=2, pids_limit=100)
+    assert prlimits(c, []) == {"NPROC": 99, "AS": 2 << 30}
+    assert prlimits(c, [0]) == {"NPROC": 99}
+    assert memory_cap("prlimit", [0]).startswith("none")
+    assert memory_cap("v2", [0]) == "cgroup v2"
+
+
+SITE_SERVE = """
+import errno, os
+from vllm.entrypoints.cli.stub_server import serve
+import nightshift_site_marker
+try:
+    open(os.path.join(os.path.dirname(nightshift_site_marker.__file__), "planted"), "w")
+    wrote = "written"
+except OSError as exc:
+    wrote = errno.errorcode[exc.errno]
+serve({"marker": nightshift_site_marker.VALUE, "site_write": wrote,
+       "cached": sorted(os.listdir(os.path.join(os.environ["HOME"], "cache")))})
+"""
+
+
+def test_an_interpreter_site_under_tmp_is_bound_read_only_over_the_seeded_scratch(tmp_path, run_dir, monkeypatch):
+    """Where the harness's packages sit under /tmp (the sandbox's scratch path), as on the GPU machine's
+    offline install: the scratch goes first, the site folder is bound over it read-only, and seeding the
+    compile caches does not touch it (it once walked the whole scratch and failed on the bind)."""
+    site = Path(f"/tmp/nightshift-site-{uuid.uuid4().hex[:8]}")
+    site.mkdir()
+    try:
+        (site / "nightshift_site_marker.py").write_text("VALUE = 'from the host site'\n")
+        monkeypatch.syspath_prepend(str(site))
+        seed = tmp_path / "seed"
+        (seed / "cache" / "torchinductor").mkdir(parents=True)
+        (seed / "cache" / "torchinductor" / "kernel").write_text("compiled")
+        spec = hostile(tmp_path, "benign", name="site", cache_seed=seed)
+        (spec.source_tree / "vllm" / "entrypoints" / "cli" / "main.py").write_text(SITE_SERVE)
+        sandbox = NamespaceSandbox(config(), run_dir)
+        server = sandbox.start(spec)
+        try:
+            seen = observed(server)
+        finally:
+            server.stop()
+        assert seen == {"marker": "from the host site", "site_write": "EROFS", "cached": ["torchinductor"]}
+        assert not (site / "planted").exists()
+    finally:
+        shutil.rmtree(site)
+
+
+def test_the_tree_is_byte_compiled_on_the_host_before_the_start(tmp_path, run_dir):
+    """Read-only inside, the tree would be compiled from source by every server process at every start."""
+    spec = hostile(tmp_path, "benign", name="bytecode")
+    server = NamespaceSandbox(config(), run_dir).start(spec)
+    try:
+        assert server.isolation["precompiled_s"] >= 0
+    finally:
+        assert server.stop() == "ok"
+    cli = spec.source_tree / "vllm" / "entrypoints" / "cli" / "__pycache__"
+    assert {p.name.split(".")[0] for p in cli.glob("*.pyc")} == {"main", "stub_server", "__init__"}

@@ -4,7 +4,7 @@ import os
 
 from vllm.entrypoints.cli.stub_server import serve
 
-MARKER = "NIGHTSHIFT" + "-PLANTED-"
+MARKER = "-".join(["NIGHTSHIFT", "PLANTED", ""])  # not a constant the compiler folds into its bytecode
 SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL", "AUTH")
 SKIP = ("/proc", "/sys", "/dev")
 MAX_BYTES = 4 << 20
