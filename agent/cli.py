@@ -69,8 +69,15 @@ def run(
     from agent.setup import new_run_id, prepare_run
 
     if resume:
-        if settings or proposer or patches or max_candidates or checkout or run_id or detach or workers is not None:
-            fail("--resume continues the run's recorded task in the foreground; it takes no task options")
+        if settings or proposer or patches or max_candidates or checkout or run_id or workers is not None:
+            fail("--resume continues the run with its recorded task; it takes no task options")
+        if detach:
+            from agent.resume import check_resumable
+
+            run_dir = check_resumable(resume, runs_dir)
+            start_detached(["run", "--resume", str(run_dir), "--runs-dir", str(runs_dir.resolve()), "--quiet"],
+                           run_dir.parent / f"{run_dir.name}.log", run_dir.name, append=True)
+            return
         resume_loop(resume, runs_dir, quiet)
         return
     if workers is not None and workers < 1:
@@ -95,7 +102,11 @@ def run(
             argv += [flag, str(value)] if value is not None else []
         for setting in settings:
             argv += ["--set", setting]
-        start_detached(argv, runs_dir, run_id or new_run_id())
+        run_id = run_id or new_run_id()
+        runs_dir = runs_dir.resolve()
+        if (runs_dir / run_id).exists():
+            fail(f"run {run_id} already exists in {runs_dir}")
+        start_detached([*argv, "--run-id", run_id, "--quiet"], runs_dir / f"{run_id}.log", run_id)
         return
     if task.sandbox.workers > 1:
         from agent.cluster import preflight
@@ -108,18 +119,17 @@ def run(
     run_loop(setup, chosen, quiet)
 
 
-def start_detached(argv: list[str], runs_dir: Path, run_id: str) -> None:
-    """`nightshift run ARGV --run-id RUN_ID --quiet` in its own session, output to <runs_dir>/<run-id>.log."""
-    runs_dir = runs_dir.resolve()
-    log = runs_dir / f"{run_id}.log"
-    if (runs_dir / run_id).exists() or log.exists():
-        fail(f"run {run_id} already exists in {runs_dir}")
-    runs_dir.mkdir(parents=True, exist_ok=True)
-    with open(log, "xb") as out:
-        child = subprocess.Popen([sys.executable, "-m", "agent.cli", *argv, "--run-id", run_id, "--quiet"],
-                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
-    console.print(f"run [bold]{run_id}[/bold] started in the background (pid {child.pid}); log {log}", soft_wrap=True)
+def start_detached(argv: list[str], log: Path, run_id: str, append: bool = False) -> None:
+    """`nightshift ARGV` in its own session, its output to `log` (a new file unless `append`: a resumed run's
+    output goes on after the killed one's)."""
+    if log.exists() and not append:
+        fail(f"run {run_id} already exists in {log.parent}")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab" if append else "xb") as out:
+        child = subprocess.Popen([sys.executable, "-m", "agent.cli", *argv], stdin=subprocess.DEVNULL, stdout=out,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+    console.print(f"run [bold]{run_id}[/bold] {'resumed' if append else 'started'} in the background "
+                  f"(pid {child.pid}); log {log}", soft_wrap=True)
 
 
 def resume_loop(run: str, runs_dir: Path, quiet: bool, vllm_version: str | None = None, sandbox=None,

@@ -80,8 +80,9 @@ class Loop:
         started, reason = time.time() - (self.resume.spent_s if self.resume else 0.0), "budget: candidates"
         try:
             with self.pool:
-                self.start()
-                while len(self.history) < self.task.budget.max_candidates:
+                if finishing := self.start():
+                    reason = finishing
+                while not finishing and len(self.history) < self.task.budget.max_candidates:
                     if time.time() - started > self.task.budget.wall_clock_s:
                         reason = "budget: wall clock"
                         break
@@ -100,14 +101,18 @@ class Loop:
             self.emit(finished)
         return finished
 
-    def start(self) -> None:
+    def start(self) -> str:
         """The baseline phase: two independent baseline servers must agree (self-parity), the reference's
         margins are measured, and the token audit's tolerance is checked on the baseline under load. A resumed
-        run first records a keep its harness decided but did not record as committed."""
+        run first records a keep its harness decided but did not record as committed; one whose budget was
+        spent before the kill skips the baseline phase and returns why."""
         self.emit(self.resume.event if self.resume else self.s.run_started())
         if self.resume:
             self.resume.settle_keep(self.s, self.emit)
+            if self.resume.event.finishing:
+                return self.resume.event.finishing
         self.baseline()
+        return ""
 
     def baseline(self) -> None:
         """Self-parity, margins, the audit's A/A and the incumbent's server (a parallel worker runs it on its GPU)."""

@@ -101,16 +101,12 @@ class Parallel:
             if self.resume:
                 self.resume.settle_keep(self.s, self.emit)
                 self.head = self.s.workspace.head()
-            ray = self.spawn()
-            starts = [slot.actor.start.remote(self.head) for slot in self.slots]
-            for slot, ref in zip(self.slots, starts):
-                try:
-                    events = ray.get(ref)
-                except ray.exceptions.RayTaskError as exc:
-                    raise exc.cause if isinstance(exc.cause, Exception) else exc
-                for event in events:
-                    self.emit(event)
-            reason = self.schedule(ray, started) or reason
+            if self.resume and self.resume.event.finishing:
+                reason = self.resume.event.finishing
+            else:
+                ray = self.spawn()
+                self.start_workers(ray)
+                reason = self.schedule(ray, started) or reason
         except BaseException as exc:
             reason = f"error: {type(exc).__name__}: {exc}"
             raise
@@ -122,6 +118,17 @@ class Parallel:
                                    gpu_hours=round(self.gpu_hours(), 4))
             self.emit(finished)
         return finished
+
+    def start_workers(self, ray) -> None:
+        """Each worker's baseline phase on its GPU, its records emitted in worker order."""
+        starts = [slot.actor.start.remote(self.head) for slot in self.slots]
+        for slot, ref in zip(self.slots, starts):
+            try:
+                events = ray.get(ref)
+            except ray.exceptions.RayTaskError as exc:
+                raise exc.cause if isinstance(exc.cause, Exception) else exc
+            for event in events:
+                self.emit(event)
 
     def idle(self) -> list[Slot]:
         busy = {slot.index for slot, _ in self.flight.values()}

@@ -148,6 +148,19 @@ def rebuild(records: list[Record]) -> Resumption:
     return state
 
 
+def nothing_left(task, state: Resumption) -> str:
+    """Why a resumed run has no budget left for another evaluation ('' when it has): then it only finishes."""
+    b, box = task.budget, task.sandbox
+    if state.spent_s > b.wall_clock_s:
+        return "budget: wall clock"
+    if b.max_gpu_hours and box.workers > 1 and state.spent_s * box.workers * box.gpus_per_candidate / 3600 \
+            > b.max_gpu_hours:
+        return "budget: GPU-hours"
+    if not state.redo and len(state.history) >= b.max_candidates:
+        return "budget: candidates"
+    return ""
+
+
 def _spent(records: list[Record]) -> float:
     """Wall clock used: each stretch from run_started or a `resumed` record to the last record before the next."""
     spent, first = 0.0, records[0].time
@@ -202,6 +215,33 @@ def remove_worktrees(setup: RunSetup) -> int:
     return len(ours)
 
 
+def refuse_unless_resumable(run_dir: Path, records: list[Record]):
+    """The run's audit result; raises ResumeRefused if it finished, fails the audit or its branch is unreadable."""
+    started: RunStarted = records[0].event
+    finished = next((r for r in records if isinstance(r.event, RunFinished)), None)
+    if finished is not None:
+        raise ResumeRefused(f"run {started.run_id} already finished (record {finished.seq + 1}: "
+                            f"{finished.event.reason}); there is nothing to resume")
+    try:
+        return audit(run_dir, records, pending=True)
+    except TraceError as exc:
+        raise ResumeRefused(f"run {started.run_id} fails the audit at record {exc.line}: {exc}; not resuming") \
+            from None
+    except git.GitError as exc:
+        raise ResumeRefused(f"cannot read the run's branch: {exc}") from None
+
+
+def check_resumable(run: str, runs_dir: Path) -> Path:
+    """The run folder, if `run --resume` would take it now (checked read-only; the lock is let go again)."""
+    run_dir = resolve_run(run, runs_dir).resolve()
+    lock = lock_run(run_dir)
+    try:
+        refuse_unless_resumable(run_dir, read_for_resume(run_dir / "trace.jsonl")[0])
+    finally:
+        lock.close()
+    return run_dir
+
+
 def resume_run(run: str, runs_dir: Path, vllm_version: str | None = None,
                sandbox: Sandbox | None = None) -> tuple[RunSetup, Proposer, Sandbox, Resumption]:
     """Check the run, rebuild its state, clean up after the dead harness; the trace is touched only once
@@ -211,17 +251,7 @@ def resume_run(run: str, runs_dir: Path, vllm_version: str | None = None,
     trace = run_dir / "trace.jsonl"
     records, torn, keep = read_for_resume(trace)
     started: RunStarted = records[0].event
-    finished = next((r for r in records if isinstance(r.event, RunFinished)), None)
-    if finished is not None:
-        raise ResumeRefused(f"run {started.run_id} already finished (record {finished.seq + 1}: "
-                            f"{finished.event.reason}); there is nothing to resume")
-    try:
-        checked = audit(run_dir, records, pending=True)
-    except TraceError as exc:
-        raise ResumeRefused(f"run {started.run_id} fails the audit at record {exc.line}: {exc}; not resuming") \
-            from None
-    except git.GitError as exc:
-        raise ResumeRefused(f"cannot read the run's branch: {exc}") from None
+    checked = refuse_unless_resumable(run_dir, records)
     state = rebuild(records)
     setup = open_run(run_dir, started, vllm_version, lock)
     if state.pending is not None:
@@ -248,7 +278,8 @@ def resume_run(run: str, runs_dir: Path, vllm_version: str | None = None,
         pending_keep="" if pending is None else (f"found {pending.found}" if pending.found else "commit"),
         head_commit=setup.workspace.head(), candidates_done=len(state.history), kept=state.kept,
         best_speedup=state.best_speedup, spent_s=round(state.spent_s, 3),
-        downtime_s=round(max(0.0, time.time() - last.time), 3), reaped=reaped, worktrees_removed=removed)
+        downtime_s=round(max(0.0, time.time() - last.time), 3), reaped=reaped, worktrees_removed=removed,
+        finishing=nothing_left(setup.task, state))
     return setup, proposer, sandbox, state
 
 
@@ -266,4 +297,6 @@ def describe(event: Resumed) -> str:
                     f"{'their proposals' if len(again) > 1 else 'its proposal'}")
     what.append(f"{event.candidates_done} candidates done, {event.kept} kept, {event.spent_s:.0f} s spent, "
                 f"{event.reaped} leftover server(s) killed")
+    if event.finishing:
+        what.append(f"nothing left to evaluate ({event.finishing}): the run only finishes")
     return "resumed " + "; ".join(what)

@@ -136,3 +136,15 @@ def test_a_parallel_run_killed_at_a_boundary_resumes_to_the_same_branch(crash, c
     after = kinds[kinds.index("resumed") + 1:]
     assert after[:1] == (["commit"] if mark.pending_keep else ["self_parity"])
     assert after.count("self_parity") == 3  # the baseline phase again, on each worker
+
+
+def test_a_parallel_run_killed_after_its_last_decision_only_finishes(cluster, task_file, uninterrupted, tmp_path):
+    run_dir = start(cluster, task_file, tmp_path / "runs", "spent", crash="after:decision:4")
+    resumed = harness(cluster, "resume", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "nothing left to evaluate (budget: candidates)" in " ".join(resumed.stdout.split()), resumed.stdout
+    events = check_finished(run_dir, uninterrupted[1])
+    kinds = [e.kind for e in events]
+    assert kinds[kinds.index("resumed") + 1:] == ["run_finished"]  # no worker started, no baseline phase
+    mark = next(e for e in events if e.kind == "resumed")
+    assert mark.finishing == "budget: candidates" and mark.in_flight == [] and mark.reaped >= 6

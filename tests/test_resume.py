@@ -139,7 +139,7 @@ def uninterrupted(task_file, tmp_path_factory):
     return run_dir, patches
 
 
-def check_finished(run_dir: Path, expected: list) -> list:
+def check_finished(run_dir: Path, expected: list, finishing: bool = False) -> list:
     records = read_trace(run_dir / "trace.jsonl")
     events = [r.event for r in records]
     assert events[-1].kind == "run_finished" and events[-1].reason == "budget: candidates", events[-1]
@@ -152,15 +152,20 @@ def check_finished(run_dir: Path, expected: list) -> list:
     assert len({c.decision_sha256 for c in commits}) == len(commits) == 2
     assert leftovers(run_dir) == []
     names = worktrees(run_dir)
-    assert len(names) == 2 and "baseline" in names, names
+    if finishing:  # nothing was left to evaluate: the resumed harness made no worktree of its own
+        assert names == [], names
+    else:
+        assert len(names) == 2 and "baseline" in names, names
     return events
 
 
 CRASHES = [
     "after:self_parity:*", "after:proposal:3", "after:patch_applied:3", "after:build:3", "after:parity:3",
     "after:sample:3", "after:benchmark:3", "after:decision:1", "before:commit:1", "after:commit:1",
-    "tear:benchmark:3", "tear:commit:3",
+    "tear:benchmark:3", "tear:commit:3", "after:decision:3", "after:commit:3",
 ]
+SPENT = {"tear:commit:3", "after:decision:3", "after:commit:3"}
+"""Kills after the last candidate's decision: the budget is spent, so the resumed run only finishes."""
 
 
 @pytest.mark.parametrize("crash", CRASHES)
@@ -170,7 +175,7 @@ def test_a_run_killed_at_a_stage_boundary_resumes_to_the_same_branch(crash, task
     before = read_trace(run_dir / "trace.jsonl") if when != "tear" else None
     resumed = harness("resume", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    events = check_finished(run_dir, uninterrupted[1])
+    events = check_finished(run_dir, uninterrupted[1], finishing=crash in SPENT)
     marks = [e for e in events if e.kind == "resumed"]
     assert len(marks) == 1
     mark = marks[0]
@@ -183,12 +188,17 @@ def test_a_run_killed_at_a_stage_boundary_resumes_to_the_same_branch(crash, task
     if kind in in_flight:
         assert mark.candidate == int(candidate)  # evaluated again from its proposal, not proposed again
         assert len([e for e in events if e.kind == "proposal" and e.candidate == mark.candidate]) == 1
-    if crash in ("after:decision:1",):
+    if crash in ("after:decision:1", "after:decision:3"):
         assert mark.pending_keep == "commit"
     if crash in ("before:commit:1", "tear:commit:3"):
         assert mark.pending_keep.startswith("found ")
     kinds = [e.kind for e in events]
-    assert kinds[kinds.index("resumed") + 1:][:2] in (["self_parity", "audit"], ["commit", "self_parity"])
+    after = kinds[kinds.index("resumed") + 1:]
+    if crash in SPENT:  # no baseline phase: the keep settled (if pending), then the end
+        assert mark.finishing == "budget: candidates" and "self_parity" not in after, after
+        assert after == ["run_finished"] if crash == "after:commit:3" else after == ["commit", "run_finished"]
+    else:
+        assert mark.finishing == "" and after[:2] in (["self_parity", "audit"], ["commit", "self_parity"])
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed"][0]["after_seq"] == mark.after_seq
 
@@ -203,8 +213,10 @@ def test_a_run_killed_while_resuming_resumes_again(task_file, uninterrupted, tmp
 
 
 def test_resume_refuses_a_finished_tampered_moved_or_running_run(task_file, uninterrupted, tmp_path):
-    done = cli("run", "--resume", str(uninterrupted[0]))
-    assert done.returncode == 2 and "already finished" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    for detach in ([], ["--detach"]):
+        done = cli("run", "--resume", str(uninterrupted[0]), *detach)
+        assert done.returncode == 2 and "already finished" in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
     run_dir = start(task_file, tmp_path / "runs", "refused", crash="after:parity:3")
     trace = run_dir / "trace.jsonl"
     original = trace.read_bytes()
@@ -227,12 +239,30 @@ def test_resume_refuses_a_finished_tampered_moved_or_running_run(task_file, unin
     repo.git.update_ref(f"refs/heads/{started.branch}", head)
     repo.git.worktree("remove", "--force", str(intruder))
     lock = lock_run(run_dir)
-    running = cli("run", "--resume", str(run_dir))
-    assert running.returncode == 2 and "still running" in running.stderr, running.stderr
+    for detach in ([], ["--detach"]):
+        running = cli("run", "--resume", str(run_dir), *detach)
+        assert running.returncode == 2 and "still running" in running.stderr, running.stderr
     lock.close()
     assert trace.read_bytes() == original  # a refused resume writes nothing
     assert harness("resume", str(run_dir)).returncode == 0
     check_finished(run_dir, uninterrupted[1])
+
+
+def test_resume_detached_returns_at_once_and_the_run_finishes_in_the_background(task_file, uninterrupted, tmp_path):
+    run_dir = start(task_file, tmp_path / "runs", "detached", crash="after:commit:3")  # nothing left but the end
+    log = run_dir.parent / f"{run_dir.name}.log"
+    log.write_text("the killed harness's output\n")
+    proc = cli("run", "--resume", str(run_dir), "--detach")
+    assert proc.returncode == 0, proc.stderr
+    assert f"run {run_dir.name} resumed in the background" in " ".join(proc.stdout.split()), proc.stdout
+    deadline = time.monotonic() + 90
+    while read_trace(run_dir / "trace.jsonl")[-1].event.kind != "run_finished":
+        assert time.monotonic() < deadline, log.read_text()[-2000:]
+        time.sleep(0.5)
+    events = check_finished(run_dir, uninterrupted[1], finishing=True)
+    assert [e.finishing for e in events if e.kind == "resumed"] == ["budget: candidates"]
+    assert log.read_text().startswith("the killed harness's output\n")  # the resumed run's output goes on after it
+    lock_run(run_dir).close()  # the background harness has let go of the run
 
 
 def test_a_candidate_over_its_time_limit_is_a_timeout_and_the_run_goes_on(tmp_path, fake_checkout, fake_model):

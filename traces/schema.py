@@ -320,7 +320,8 @@ class NoiseFloor(Event):
 
 class Resumed(Event):
     """The run continues after its harness was killed (`nightshift run --resume`, agent/resume.py): where the
-    trace stood, what a torn last line held (cut off), and what comes next. The baseline phase follows again."""
+    trace stood, what a torn last line held (cut off), and what comes next. The baseline phase follows again,
+    unless the budget was spent before the kill (`finishing`): then the run only records its end."""
 
     kind: Literal["resumed"] = "resumed"
     after_seq: int
@@ -343,6 +344,8 @@ class Resumed(Event):
     downtime_s: float
     reaped: int = 0
     """Leftover servers or containers of the dead harness that were killed."""
+    finishing: str = ""
+    """Why nothing is left to evaluate (e.g. `budget: candidates`): no baseline phase, the run finishes."""
     worktrees_removed: int = 0
 
 
