@@ -20,7 +20,7 @@ from agent.commits import commit_message
 from agent.build import BuildError, build
 from agent.margins import served_margins
 from agent.parity import check_parity
-from agent.pool import ServerPool, ServerRequest
+from agent.pool import ServerPool, ServerRequest, Starting
 from agent.proposers.base import Attempt, ProposalContext, Proposer, ProposerExhausted
 from agent.requests import ANSWER_ERRORS, draw_prompts
 from agent.setup import RunSetup
@@ -58,6 +58,14 @@ class Incumbent:
     server: Server
     args: dict
     tree: Path
+
+
+def started(starting: Starting, index: int) -> Server:
+    """One of a trial's servers once it answers; a failed start is the candidate's crash at `start`."""
+    try:
+        return starting.get(index)
+    except SandboxError as exc:
+        raise Rejected("start", f"{exc}; log tail: {exc.logs[-1500:]}", "crash") from None
 
 
 class Loop:
@@ -238,25 +246,28 @@ class Loop:
 
     def check_parity(self, trial: Trial, args: dict) -> tuple[Server, str]:
         """Parity on fresh prompts; returns the candidate's production server and the parity digest. With
-        dedicated parity servers (batch-invariant mode, say) the candidate's two servers start side by side."""
+        dedicated parity servers (batch-invariant mode, say) the candidate's two servers start side by side,
+        parity is checked as soon as the parity server answers, and a failure calls off the production start."""
         n = trial.candidate
         requests = [ServerRequest(f"candidate-{n}", trial.tree, args)]
         if self.dedicated_parity:
             requests.insert(0, ServerRequest(f"candidate-{n}-parity", trial.tree, args, parity=True))
+        starting = trial.begin(requests)
         try:
-            servers = trial.start(requests)
-        except SandboxError as exc:
-            raise Rejected("start", f"{exc}; log tail: {exc.logs[-1500:]}", "crash") from None
-        subject, production = servers[0], servers[-1]
-        try:
-            report = self.parity(n, subject)
-        except ANSWER_ERRORS as exc:
-            raise Rejected("parity", f"candidate failed to answer: {exc}", "crash") from None
-        self.emit(report)
-        if not report.ok:
-            d = report.divergence
-            raise Rejected("parity", f"prompt {d.prompt_index} diverges at token {d.position}: expected "
-                                     f"{d.expected}, got {d.got} ({d.got_len}/{d.expected_len} tokens)")
+            subject = started(starting, 0)
+            try:
+                report = self.parity(n, subject)
+            except ANSWER_ERRORS as exc:
+                raise Rejected("parity", f"candidate failed to answer: {exc}", "crash") from None
+            self.emit(report)
+            if not report.ok:
+                d = report.divergence
+                raise Rejected("parity", f"prompt {d.prompt_index} diverges at token {d.position}: expected "
+                                         f"{d.expected}, got {d.got} ({d.got_len}/{d.expected_len} tokens)")
+            production = started(starting, len(requests) - 1)
+        except BaseException:
+            starting.cancel()
+            raise
         if subject is not production:
             trial.release(subject)
         return production, report.digest

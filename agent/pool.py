@@ -31,9 +31,9 @@ class ServerPool:
                  starts_log: Path | None = None):
         self.task, self.sandbox, self.model_dir, self.run_id = task, sandbox, Path(model_dir), run_id
         self.cache_seed = cache_seed
+        """Kept across runs: only servers of the unmodified vLLM (every run's baseline) export to it."""
         self.starts_log = starts_log
         """Where each start's duration goes, a JSON line per server (operational, not part of the trace)."""
-        """Kept across runs: only servers of the unmodified vLLM (every run's baseline) export to it."""
         self.trusted: Path | None = None
         self.running: list[Server] = []
         self._lock = threading.Lock()
@@ -62,18 +62,18 @@ class ServerPool:
                           startup_timeout_s=min(engine.startup_timeout_s, request.startup_timeout_s or math.inf),
                           gpus=self.task.sandbox.gpus, cache_seed=seed)
 
-    def _start_one(self, request: ServerRequest) -> Server:
+    def _start_one(self, request: ServerRequest, cancel: threading.Event | None = None) -> Server:
         began = time.monotonic()
         try:
-            server = self.sandbox.start(self.spec(request))
+            server = self.sandbox.start(self.spec(request), cancel)
         except BaseException as exc:
-            self._log_start(request, began, type(exc).__name__)
+            self._log_start(request, began, "cancelled" if cancelled(exc) else type(exc).__name__)
             raise
         self._log_start(request, began, "ok")
         with self._lock:
             self.running.append(server)
         if self.cache_seed is not None and self.trusted is not None and Path(request.tree) == self.trusted:
-            with self._lock:
+            if not self.cache_seed.exists():
                 self.sandbox.export_cache(server, self.cache_seed)
         return server
 
@@ -85,33 +85,14 @@ class ServerPool:
         with self._lock, open(self.starts_log, "a") as f:
             f.write(json.dumps(line) + "\n")
 
+    def begin(self, requests: list[ServerRequest], on_started=lambda server: None) -> Starting:
+        """Start every request (side by side unless sandbox.parallel_starts is off) and return at once."""
+        return Starting(self, requests, on_started)
+
     def start(self, requests: list[ServerRequest]) -> list[Server]:
-        """Start every request (side by side unless sandbox.parallel_starts is off); if one fails, the
-        others are released and the first failure (a SandboxError where there is one) is raised."""
-        if not self.task.sandbox.parallel_starts or len(requests) < 2:
-            outcomes: list = []
-            for request in requests:
-                try:
-                    outcomes.append(self._start_one(request))
-                except Exception as exc:
-                    outcomes.append(exc)
-                    break
-        else:
-            with ThreadPoolExecutor(len(requests)) as pool:
-                futures = [pool.submit(self._start_one, request) for request in requests]
-                outcomes = []
-                for future in futures:
-                    try:
-                        outcomes.append(future.result())
-                    except Exception as exc:
-                        outcomes.append(exc)
-        failures = [o for o in outcomes if isinstance(o, Exception)]
-        if failures:
-            for server in outcomes:
-                if not isinstance(server, Exception):
-                    self.release(server)
-            raise next((f for f in failures if isinstance(f, SandboxError)), failures[0])
-        return outcomes
+        """Start every request and wait for all; if one fails, the others are called off or released and the
+        failure (a SandboxError where there is one) is raised."""
+        return self.begin(requests).all()
 
     def release(self, server: Server) -> None:
         """Stop a server this pool started; a second release of the same server does nothing."""
@@ -124,3 +105,62 @@ class ServerPool:
     def close(self) -> None:
         for server in list(reversed(self.running)):
             self.release(server)
+
+
+def cancelled(exc: BaseException) -> bool:
+    return isinstance(exc, SandboxError) and exc.outcome == "cancelled"
+
+
+class Starting:
+    """Servers being started, each taken as soon as it answers (`get`): a check that needs one server need not
+    wait for the others. A start that fails calls off the rest, as `cancel` does (a parity failure must not wait
+    for a production server's start); servers already up are released. One after another when
+    sandbox.parallel_starts is off: a start not begun when the rest is called off never begins."""
+
+    def __init__(self, pool: ServerPool, requests: list[ServerRequest], on_started):
+        self.pool, self.requests, self.on_started = pool, requests, on_started
+        self.off = threading.Event()
+        self.failure: BaseException | None = None
+        """The first start that failed by itself (not called off): what called off the rest."""
+        side_by_side = pool.task.sandbox.parallel_starts and len(requests) > 1
+        self.executor = ThreadPoolExecutor(len(requests) if side_by_side else 1, thread_name_prefix="start")
+        self.futures = [self.executor.submit(self._one, request) for request in requests]
+        self.executor.shutdown(wait=False)
+
+    def _one(self, request: ServerRequest) -> Server:
+        if self.off.is_set():
+            raise SandboxError("cancelled", f"{request.name}: start called off before it began")
+        try:
+            server = self.pool._start_one(request, self.off)
+        except BaseException as exc:
+            if not cancelled(exc) and self.failure is None:
+                self.failure = exc
+            self.off.set()
+            raise
+        self.on_started(server)
+        return server
+
+    def get(self, index: int) -> Server:
+        """The server of requests[index] once it answers; raises its start's failure, or the failure of the
+        start that called it off."""
+        exc = self.futures[index].exception()
+        if exc is None:
+            return self.futures[index].result()
+        raise self.failure if cancelled(exc) and self.failure is not None else exc
+
+    def cancel(self) -> None:
+        """Call off every start still under way and release every server that came up; returns when all ended."""
+        self.off.set()
+        for future in self.futures:
+            if future.exception() is None:
+                self.pool.release(future.result())
+
+    def all(self) -> list[Server]:
+        """Every server, once each answers; if any start failed, the rest is called off or released and the
+        first real failure (not a called-off start; a SandboxError where there is one) is raised."""
+        failures = [exc for exc in (f.exception() for f in self.futures) if exc is not None]
+        if not failures:
+            return [f.result() for f in self.futures]
+        self.cancel()
+        real = [exc for exc in failures if not cancelled(exc)] or failures
+        raise next((exc for exc in real if isinstance(exc, SandboxError)), real[0])

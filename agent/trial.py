@@ -8,7 +8,7 @@ import threading
 import time
 from pathlib import Path
 
-from agent.pool import ServerPool, ServerRequest
+from agent.pool import ServerPool, ServerRequest, Starting
 from agent.workspace import Workspace
 from sandbox.base import Server
 
@@ -60,17 +60,22 @@ class Trial:
         self.tree = self.workspace.worktree(f"candidate-{self.candidate}")
         return self.tree
 
-    def start(self, requests: list[ServerRequest]) -> list[Server]:
+    def begin(self, requests: list[ServerRequest]) -> Starting:
+        """Start these servers, each the trial's own as soon as it answers (`Starting.get`), within its time."""
         if self.deadline is not None:
             left = max(0.1, self.deadline - time.monotonic())
             requests = [dataclasses.replace(r, startup_timeout_s=left) for r in requests]
-        servers = self.pool.start(requests)
+        return self.pool.begin(requests, self._own)
+
+    def start(self, requests: list[ServerRequest]) -> list[Server]:
+        return self.begin(requests).all()
+
+    def _own(self, server: Server) -> None:
         with self._lock:
-            self.servers.extend(servers)
+            self.servers.append(server)
             late = self.expired
-        for server in servers if late else []:
+        if late:
             server.kill("timeout")
-        return servers
 
     def release(self, server: Server) -> None:
         """Done with one of this trial's servers before the trial ends (a parity server, say)."""

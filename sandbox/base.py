@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import re
 import ssl
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from traces.errors import NightshiftError
 
-Outcome = Literal["ok", "timeout", "oom", "crash"]
+Outcome = Literal["ok", "timeout", "oom", "crash", "cancelled"]
+"""How a server ended; `cancelled`: its start was called off by the harness (another start or check failed)."""
 
 UNLIMITED = httpx.Limits(max_connections=None, max_keepalive_connections=None)
 """httpx pools 100 connections by default, which would silently cap the workload's concurrency."""
@@ -122,8 +124,9 @@ class Server(Protocol):
 
 
 class Sandbox(Protocol):
-    def start(self, spec: ServerSpec) -> Server:
-        """Start a server and wait until it answers; raises SandboxError(timeout|oom|crash)."""
+    def start(self, spec: ServerSpec, cancel: threading.Event | None = None) -> Server:
+        """Start a server and wait until it answers; raises SandboxError(timeout|oom|crash), or
+        SandboxError(cancelled) once `cancel` is set while it waits (the server killed and removed)."""
 
     def export_cache(self, server: Server, dest: Path) -> None:
         """Copy a (trusted) server's compile caches into `dest`, the seed for later servers."""
@@ -161,11 +164,15 @@ def answers_health(server: "Server") -> bool:
 HEALTH_POLL_S = 0.5
 
 
-def wait_healthy(server: Server, timeout_s: float) -> None:
-    """Until /health answers 200. A server that exits first, or is not healthy within `timeout_s`,
-    is killed and cleaned up, and SandboxError raised with its logs."""
+def wait_healthy(server: Server, timeout_s: float, cancel: threading.Event | None = None) -> None:
+    """Until /health answers 200. A server that exits first, is not healthy within `timeout_s`, or whose
+    start is called off (`cancel` set), is killed and cleaned up, and SandboxError raised with its logs."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if cancel is not None and cancel.is_set():
+            logs = server.logs()
+            server.kill("cancelled")
+            raise SandboxError("cancelled", "start called off by the harness; killed and removed", logs)
         code = server.exit_code()
         if code is not None:
             logs = server.logs()
@@ -174,7 +181,10 @@ def wait_healthy(server: Server, timeout_s: float) -> None:
             raise SandboxError(outcome if outcome != "ok" else "crash", message, logs)
         if answers_health(server):
             return
-        time.sleep(HEALTH_POLL_S)
+        if cancel is not None:
+            cancel.wait(HEALTH_POLL_S)
+        else:
+            time.sleep(HEALTH_POLL_S)
     logs = server.logs()
     server.kill("timeout")
     raise SandboxError("timeout", f"server not healthy after {timeout_s:.0f}s; killed and removed", logs)

@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import docker
@@ -163,7 +164,7 @@ class DockerSandbox:
             tmpfs_mb=c.tmpfs_mb, gpus=list(spec.gpus or c.gpus), private=[self.run_dir],
             host_env=os.environ)
 
-    def start(self, spec: ServerSpec) -> DockerServer:
+    def start(self, spec: ServerSpec, cancel: threading.Event | None = None) -> DockerServer:
         if not self._reaped:
             self.reap()
         gpus = list(spec.gpus or self.config.gpus)
@@ -186,7 +187,7 @@ class DockerSandbox:
         except DockerException as exc:
             server.kill()
             raise SandboxError("crash", f"cannot start the container: {exc}", server.logs()) from None
-        wait_healthy(server, spec.startup_timeout_s)
+        wait_healthy(server, spec.startup_timeout_s, cancel)
         return server
 
     def export_cache(self, server: DockerServer, dest: Path) -> None:

@@ -7,6 +7,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import tempfile
 import sys
 from pathlib import Path
@@ -109,7 +110,7 @@ class LocalSandbox:
         self.config = config
         self.root = Path(run_dir or Path.cwd()) / "servers"
 
-    def start(self, spec: ServerSpec) -> LocalServer:
+    def start(self, spec: ServerSpec, cancel: threading.Event | None = None) -> LocalServer:
         home = self.root / spec.name
         shutil.rmtree(home, ignore_errors=True)
         home.mkdir(parents=True)
@@ -127,7 +128,7 @@ class LocalSandbox:
                                        start_new_session=True)
         record_server(home, process.pid)
         server = LocalServer(spec, process, port, home, log, import_log, tmp)
-        wait_healthy(server, spec.startup_timeout_s)
+        wait_healthy(server, spec.startup_timeout_s, cancel)
         return server
 
     def export_cache(self, server: LocalServer, dest: Path) -> None:

@@ -282,7 +282,7 @@ class NamespaceSandbox:
         self._reaped = False
         self._lock = threading.Lock()
 
-    def start(self, spec: ServerSpec) -> NamespaceServer:
+    def start(self, spec: ServerSpec, cancel: threading.Event | None = None) -> NamespaceServer:
         userns, how = probe()
         with self._lock:
             if not self._reaped:
@@ -292,13 +292,14 @@ class NamespaceSandbox:
             folder = Path(tempfile.mkdtemp(prefix=f"{slug(spec.name, 24)}-", dir=_io_root()))
             (folder / "state.json").write_text(json.dumps(self._state(spec, uid, [])))  # claims the uid
         try:
-            return self._start(spec, folder, uid, userns, how, limits)
+            return self._start(spec, folder, uid, userns, how, limits, cancel)
         except BaseException:
             if folder.exists() and not (folder / "started").exists():
                 shutil.rmtree(folder, ignore_errors=True)
             raise
 
-    def _start(self, spec: ServerSpec, folder: Path, uid: int, userns: bool, how: str, limits: str) -> NamespaceServer:
+    def _start(self, spec: ServerSpec, folder: Path, uid: int, userns: bool, how: str, limits: str,
+               cancel: threading.Event | None = None) -> NamespaceServer:
         c = self.config
         tree, model = Path(spec.source_tree).resolve(), Path(spec.model_dir).resolve()
         seed = Path(spec.cache_seed).resolve() if spec.cache_seed else None
@@ -354,7 +355,7 @@ class NamespaceSandbox:
         except BrokenPipeError:
             pass
         log.info("%s: %s", spec.name, isolation)
-        wait_healthy(server, spec.startup_timeout_s)
+        wait_healthy(server, spec.startup_timeout_s, cancel)
         return server
 
     def _state(self, spec: ServerSpec, uid: int, cgroup_dirs: list[str]) -> dict:

@@ -2,6 +2,7 @@
 import os
 import shutil
 import subprocess
+import threading
 import sys
 from pathlib import Path
 
@@ -26,7 +27,7 @@ class FakeSandbox:
         self.exported: list[str] = []
         self.stops: dict[str, int] = {}
 
-    def start(self, spec: ServerSpec) -> LocalServer:
+    def start(self, spec: ServerSpec, cancel: threading.Event | None = None) -> LocalServer:
         home = self.root / spec.name
         shutil.rmtree(home, ignore_errors=True)
         home.mkdir(parents=True)
@@ -39,7 +40,7 @@ class FakeSandbox:
         (home / "tmp").mkdir()
         server = CountedServer(spec, process, port, home, log, imports, home / "tmp")
         server.sandbox = self
-        wait_healthy(server, min(30, spec.startup_timeout_s))
+        wait_healthy(server, min(30, spec.startup_timeout_s), cancel)
         self.started.append(spec)
         return server
 

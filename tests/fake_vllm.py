@@ -16,6 +16,9 @@ patch can turn it into a faster, cheating or nondeterministic candidate:
   crash   - exits at startup
   hang    - starts, then never answers a completion
   stall   - never becomes healthy (a start that hangs)
+Any mode may set `production_start_s` and `parity_start_s`: a server started without VLLM_BATCH_INVARIANT=1
+(a production server, where parity runs on dedicated batch-invariant ones), or with it, takes that long to
+become healthy, as a compile would; `production_crash`: a production server exits at startup after its wait.
 """
 import hashlib
 import json
@@ -34,6 +37,10 @@ if config["mode"] == "crash":
     sys.exit("fake_vllm: crashing at startup as configured")
 if config["mode"] == "stall":
     time.sleep(3600)
+watched = os.environ.get("VLLM_BATCH_INVARIANT") == "1"
+time.sleep(config.get("parity_start_s" if watched else "production_start_s", 0))
+if config.get("production_crash") and not watched:
+    sys.exit("fake_vllm: the production server crashes at startup as configured")
 import_log.write_text("".join(f"{p.relative_to(tree)}\n" for p in [tree / "vllm" / "__init__.py", *mode_files]))
 in_flight = served = 0
 lock = threading.Lock()

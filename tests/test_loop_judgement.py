@@ -260,8 +260,7 @@ def test_a_candidate_right_only_where_parity_watches_is_rejected_at_the_audit(ru
 def test_dedicated_parity_servers_start_beside_the_production_ones(run):
     setup, loop = run(
                       {"1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster")},
-                      parity={"num_prompts": 4, "input_len": 8, "max_tokens": 8, "regime": "one_batch",
-                              "env": {"VLLM_BATCH_INVARIANT": "1"}, "args": {"attention_backend": "TRITON_ATTN"}},
+                      parity=DEDICATED,
                       benchmark={"warmup_requests": 2, "repetitions": 5, "request_timeout_s": 10,
                                  "max_client_busy": 1.0, "client_processes": 2})
     finished = loop.run()
@@ -280,6 +279,57 @@ def test_dedicated_parity_servers_start_beside_the_production_ones(run):
     report = next(r.event for r in records if r.event.kind == "benchmark")
     assert len(taken) == 10 and taken == report.samples  # each pass is on disk as soon as it is measured
     assert all(0 < sample.client_busy <= 1 and sample.client_cpu_s > 0 for sample in taken)
+
+
+DEDICATED = {"num_prompts": 4, "input_len": 8, "max_tokens": 8, "regime": "one_batch",
+             "env": {"VLLM_BATCH_INVARIANT": "1"}, "args": {"attention_backend": "TRITON_ATTN"}}
+
+
+def fake_servers_of(tree: Path) -> list[str]:
+    """The pids of fake vLLM servers still running from `tree`."""
+    alive = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"fake_vllm.py") for a in argv) and str(tree).encode() in argv:
+            alive.append(cmdline.parent.name)
+    return alive
+
+
+def test_a_parity_failure_calls_off_the_production_start(run):
+    """Parity is checked as soon as the candidate's (batch-invariant) parity server answers. A candidate that
+    fails it is rejected without waiting for its production server, which here takes 120 s to start (as a
+    compile would): that start is called off and its process killed."""
+    setup, loop = run({"1-wrong.patch": new_file_patch("vllm/fake_mode_1.json", mode("random", production_start_s=120),
+                                                       "slow to start, and wrong")}, parity=DEDICATED)
+    finished = loop.run()
+    decision = decisions(setup)[1]
+    assert (decision.verdict, decision.stage) == ("discard", "parity") and finished.kept == 0, decision.reason
+    starts = {line["server"]: line for line in map(json.loads, (setup.run_dir / "server_starts.jsonl").open())}
+    assert starts["candidate-1-parity"]["outcome"] == "ok" and starts["candidate-1"]["outcome"] == "cancelled"
+    assert starts["candidate-1"]["seconds"] < 120
+    assert "candidate-1" not in [spec.name for spec in loop.pool.sandbox.started]  # it never came up
+    assert fake_servers_of(setup.workspace.worktrees / "candidate-1") == []
+    assert loop.pool.running == [] and stopped_once(loop)
+    print(f"rejected at parity {starts['candidate-1']['seconds']:.1f} s into a 120 s production start")
+
+
+def test_a_production_start_that_fails_is_the_crash_not_the_parity_start_it_called_off(run):
+    """The production server dies at startup while the parity server is still starting (60 s): the parity
+    start is called off, and the decision names the production server's failure."""
+    setup, loop = run({"1-crash.patch": new_file_patch(
+        "vllm/fake_mode_1.json", mode("exact", 0.0025, parity_start_s=60, production_crash=True),
+        "production server crashes at startup")}, parity=DEDICATED)
+    loop.run()
+    decision = decisions(setup)[1]
+    assert (decision.verdict, decision.stage) == ("crash", "start"), decision.reason
+    assert "production server crashes at startup" in decision.reason and "called off" not in decision.reason
+    starts = {line["server"]: line for line in map(json.loads, (setup.run_dir / "server_starts.jsonl").open())}
+    assert starts["candidate-1-parity"]["outcome"] == "cancelled" and starts["candidate-1-parity"]["seconds"] < 60
+    assert fake_servers_of(setup.workspace.worktrees / "candidate-1") == []
+    assert loop.pool.running == []
 
 
 def test_a_pass_whose_client_was_too_busy_is_not_trusted(run):
