@@ -1,10 +1,12 @@
-"""The live view: candidate, stage, best speedup so far, budget left."""
+"""The live view: candidate, stage, best speedup so far, budget left; a bar for what takes long (server starts,
+a benchmark's passes)."""
 from __future__ import annotations
 
 import time
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from agent.task import Task
@@ -31,9 +33,45 @@ class LiveView:
         self.last = ""
         self.workers: list[dict] = []
         """A parallel run's workers: GPU, candidate, stage (agent/parallel.py)."""
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                 MofNCompleteColumn(), TimeElapsedColumn(), console=console)
+        self.bar: tuple[str, int] | None = None
+        """(what, rich task id) of the long step under way."""
         self.live = Live(self.render(), console=console, refresh_per_second=2, transient=False) if enabled else None
 
-    def render(self) -> Table:
+    def render(self) -> Group:
+        return Group(self.table(), self.progress) if self.bar else Group(self.table())
+
+    def track(self, event) -> None:
+        """Start, advance or end the bar of the long step an event begins, continues or ends."""
+        b, n = self.task.benchmark, getattr(event, "candidate", 0)
+        starting = {"run_started": "baseline servers starting", "resumed": "baseline servers starting",
+                    "build": f"candidate {n}: servers starting"}
+        if event.kind in starting and not getattr(event, "finishing", ""):
+            self.begin(starting[event.kind], None)
+        elif event.kind == "sample":
+            what = (f"candidate {n}: benchmark passes" if n else "baseline A/A: benchmark passes") + \
+                (f" (confirmation {event.confirmation})" if event.confirmation else "")
+            if self.bar is None or self.bar[0] != what:
+                self.begin(what, 2 * b.repetitions)
+            done = self.progress.tasks[-1].completed + 1
+            total = 2 * max(b.repetitions, b.max_repetitions or 0) if done > 2 * b.repetitions else 2 * b.repetitions
+            self.progress.update(self.bar[1], completed=done, total=total)
+        elif event.kind == "parity" and event.ok:
+            self.begin(f"candidate {n}: production server, warmup", None)
+        elif event.kind in ("self_parity", "parity", "benchmark", "audit", "decision", "run_finished"):
+            self.end()
+
+    def begin(self, what: str, total: int | None) -> None:
+        self.end()
+        self.bar = (what, self.progress.add_task(what, total=total))
+
+    def end(self) -> None:
+        if self.bar is not None:
+            self.progress.remove_task(self.bar[1])
+            self.bar = None
+
+    def table(self) -> Table:
         budget = self.task.budget
         left_s = max(0.0, budget.wall_clock_s - (time.time() - self.started))
         table = Table(title=f"nightshift · {self.task.name}", show_header=False)
@@ -56,6 +94,7 @@ class LiveView:
 
     def update(self, event) -> None:
         self.stage = STAGE_AFTER.get(event.kind, event.kind)
+        self.track(event)
         self.candidate = getattr(event, "candidate", self.candidate) or self.candidate
         if event.kind == "decision":
             self.last = f"#{event.candidate} {event.verdict} at {event.stage}: {event.reason[:90]}"

@@ -1,0 +1,51 @@
+"""The live view's bars, from the events a run writes, rendered by rich as a terminal would show them."""
+from pathlib import Path
+
+from rich.console import Console
+
+from agent.task import load_task, with_overrides
+from agent.view import LiveView
+from traces.schema import Build, Decision, ParityReport, Sample, SampleTaken
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def shown(view: LiveView) -> str:
+    console = Console(record=True, width=140, force_terminal=True, color_system=None)
+    console.print(view.render())
+    return console.export_text()
+
+
+def sample(role: str, repetition: int) -> Sample:
+    return Sample(role=role, repetition=repetition, seconds=1.0, input_tokens=64, output_tokens=32,
+                  total_tokens_per_s=96.0, output_tokens_per_s=32.0)
+
+
+def test_server_starts_and_benchmark_passes_show_as_bars():
+    task = with_overrides(load_task(ROOT / "tasks" / "gemma4-tiny-cpu.yaml"),
+                          benchmark={"repetitions": 4, "max_repetitions": 8})
+    view = LiveView(task, Console(file=open("/dev/null", "w")), enabled=False)
+    view.update(Build(candidate=3, tree="t", source_sha256="s", compiled_from="c", seconds=1.0))
+    assert "candidate 3: servers starting" in shown(view)
+    view.update(ParityReport(candidate=3, ok=True, regime="sequential", prompts=4, tokens_per_prompt=8, digest="d"))
+    assert "candidate 3: production server, warmup" in shown(view)
+    for i in range(3):
+        view.update(SampleTaken(candidate=3, sample=sample("incumbent" if i % 2 == 0 else "candidate", i // 2)))
+    text = shown(view)
+    assert "candidate 3: benchmark passes" in text and "3/8" in text, text
+    for i in range(3, 10):  # past `repetitions`: adaptive repetitions, up to max_repetitions pairs
+        view.update(SampleTaken(candidate=3, sample=sample("incumbent", i // 2)))
+    assert "10/16" in shown(view)
+    view.update(SampleTaken(candidate=3, sample=sample("incumbent", 0), confirmation=1))
+    assert "benchmark passes (confirmation 1)" in shown(view) and "1/8" in shown(view)
+    view.update(Decision(candidate=3, verdict="discard", stage="benchmark", reason="not faster"))
+    text = shown(view)
+    assert "benchmark passes" not in text and "#3 discard at benchmark" in text
+
+
+def test_a_parity_failure_ends_the_start_bar():
+    view = LiveView(load_task(ROOT / "tasks" / "gemma4-tiny-cpu.yaml"), Console(file=open("/dev/null", "w")),
+                    enabled=False)
+    view.update(Build(candidate=1, tree="t", source_sha256="s", compiled_from="c", seconds=1.0))
+    view.update(ParityReport(candidate=1, ok=False, regime="sequential", prompts=4, tokens_per_prompt=8, digest="d"))
+    assert "starting" not in shown(view) and "warmup" not in shown(view)
