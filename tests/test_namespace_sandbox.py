@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -68,6 +69,18 @@ def processes_of(uid: int) -> list[int]:
             continue
         if int(fields["Uid"].split()[0]) == uid and fields["State"].split()[0] != "Z":
             pids.append(int(status.parent.name))
+    return pids
+
+
+def processes_in(pid_ns: str) -> list[int]:
+    """Live processes in a pid namespace (`pid:[inode]`), as far as this process may look."""
+    pids = []
+    for ns in Path("/proc").glob("[0-9]*/ns/pid"):
+        try:
+            if os.readlink(ns) == pid_ns and _running(int(ns.parent.parent.name)):
+                pids.append(int(ns.parent.parent.name))
+        except OSError:
+            continue
     return pids
 
 
@@ -296,14 +309,20 @@ def test_a_killed_harness_leaves_nothing_running(tmp_path, run_dir):
     try:
         line = harness.stdout.readline()
         assert line.startswith("started"), "the doomed harness did not start its server"
+        uid, init, unshare = (int(x) for x in line.split()[1:])
+        pid_ns = os.readlink(f"/proc/{init}/ns/pid")  # the server's processes, whatever uid they have
     finally:
         os.kill(harness.pid, signal.SIGKILL)
         harness.wait()
-    uid, init, unshare = (int(x) for x in line.split()[1:])
+
+    def left_running() -> list[int]:
+        # as root each server has a uid of its own; in a user namespace it is the harness's (uid 0 inside)
+        return processes_in(pid_ns) + (processes_of(uid) if os.geteuid() == 0 else [])
+
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (processes_of(uid) or _running(init) or _running(unshare)):
+    while time.monotonic() < deadline and (left_running() or _running(init) or _running(unshare)):
         time.sleep(0.2)
-    assert processes_of(uid) == [] and not _running(init) and not _running(unshare)
+    assert left_running() == [] and not _running(init) and not _running(unshare)
     [left] = leftovers(dead_run)  # the socket folder and cgroups stay until a reap
     cgroup_dirs = [Path(d) for d in json.loads((left / "state.json").read_text())["cgroups"]]
     assert all(cgroups.pids_in(d) == [] for d in cgroup_dirs)
@@ -457,3 +476,41 @@ def test_the_tree_is_byte_compiled_on_the_host_before_the_start(tmp_path, run_di
         assert server.stop() == "ok"
     cli = spec.source_tree / "vllm" / "entrypoints" / "cli" / "__pycache__"
     assert {p.name.split(".")[0] for p in cli.glob("*.pyc")} == {"main", "stub_server", "__init__"}
+
+
+NOBODY = 65534
+
+
+def test_the_contract_holds_for_an_unprivileged_harness():
+    """This suite once more with the harness as an unprivileged user, where every server also gets a user
+    namespace (uid 0 inside it, no capabilities) and no cgroup is writable: each hostile candidate contained."""
+    if os.environ.get("NIGHTSHIFT_UNPRIVILEGED_RUN"):
+        pytest.skip("this is the unprivileged run")
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("switching to an unprivileged user needs root and util-linux's setpriv")
+    home = Path(tempfile.mkdtemp(prefix="nightshift-nobody-", dir="/tmp"))  # pytest's own tmp is private to root
+    os.chown(home, NOBODY, NOBODY)
+    try:
+        run_as_nobody(home)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def run_as_nobody(home: Path) -> None:
+    become = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "env", f"HOME={home}",
+              f"NIGHTSHIFT_NAMESPACE_IO={home / 'ns'}", "NIGHTSHIFT_UNPRIVILEGED_RUN=1"]
+    reach = subprocess.run([*become, sys.executable, "-c", "import pytest, sandbox.namespace"], cwd=ROOT,
+                           capture_output=True, text=True)
+    if reach.returncode != 0:
+        pytest.skip(f"an unprivileged user cannot run this Python ({reach.stderr.strip().splitlines()[-1:]}); "
+                    ".ci/run makes it reachable")
+    suite = subprocess.run([*become, sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                            f"--basetemp={home / 'bt'}", str(Path(__file__).relative_to(ROOT))],
+                           cwd=ROOT, capture_output=True, text=True, timeout=900)
+    summary = suite.stdout.strip().splitlines()[-1]
+    print(f"unprivileged harness: {summary}", *[l for l in suite.stdout.splitlines() if l.startswith("SKIPPED")],
+          sep="\n  ")
+    if "no unprivileged user namespaces" in suite.stdout:
+        pytest.skip("this host allows no unprivileged user namespaces")
+    assert suite.returncode == 0, suite.stdout[-4000:] + suite.stderr[-2000:]
+    assert " passed" in summary and "failed" not in summary and "error" not in summary, summary
