@@ -158,7 +158,11 @@ class Starting:
     def all(self) -> list[Server]:
         """Every server, once each answers; if any start failed, the rest is called off or released and the
         first real failure (not a called-off start; a SandboxError where there is one) is raised."""
-        failures = [exc for exc in (f.exception() for f in self.futures) if exc is not None]
+        try:
+            failures = [exc for exc in (f.exception() for f in self.futures) if exc is not None]
+        except BaseException:  # interrupted while waiting: no start may finish after its pool closed
+            self.cancel()
+            raise
         if not failures:
             return [f.result() for f in self.futures]
         self.cancel()
