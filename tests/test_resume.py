@@ -422,3 +422,23 @@ def test_the_llm_proposer_restored_from_its_records_calls_no_llm_again(tmp_path)
     assert restored._invalid_log == live._invalid_log
     (convo, attempt), (expected, _) = restored._pending_repair, live._pending_repair
     assert (convo.messages, convo.answer, convo.repairs) == (expected.messages, expected.answer, expected.repairs)
+
+
+def test_what_is_left_of_a_killed_runs_budget():
+    from agent.resume import Resumption, nothing_left
+    from agent.task import load_task, with_overrides
+
+    task = with_overrides(load_task(ROOT / "tasks" / "gemma4-tiny-cpu.yaml"),
+                          budget={"max_candidates": 3, "wall_clock_s": 100, "max_gpu_hours": 0.05},
+                          sandbox={"workers": 2, "gpus_per_candidate": 1})
+    proposal = Proposal(candidate=3, proposer="queue", summary="in flight")
+
+    def left(decided: int, spent_s: float, in_flight: bool = False) -> str:
+        return nothing_left(task, Resumption(event=None, history=[None] * decided, best_speedup=1.0, kept=0,
+                                             spent_s=spent_s, redo=[proposal] if in_flight else []))
+
+    assert left(2, 50) == ""
+    assert left(2, 50, in_flight=True) == ""
+    assert left(3, 50) == "budget: candidates"
+    assert left(2, 101, in_flight=True) == "budget: wall clock"  # the candidate in flight is not started again
+    assert left(2, 91) == "budget: GPU-hours"  # 2 workers x 91 s > 0.05 GPU-hours (180 s)
