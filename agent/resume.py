@@ -203,16 +203,7 @@ def open_run(run_dir: Path, started: RunStarted, vllm_version: str | None, lock)
 def remove_worktrees(setup: RunSetup) -> int:
     """The dead harness's worktrees of this run (its parallel workers' too), all of them: a resumed run makes its
     own. One it was still creating is locked; it is unlocked first."""
-    root = setup.run_dir.resolve()
-    blocks = [block.splitlines() for block in setup.repo.git.worktree("list", "--porcelain").split("\n\n")]
-    ours = [(Path(b[0].split(" ", 1)[1]), any(line.startswith("locked") for line in b)) for b in blocks
-            if b and b[0].startswith("worktree ") and root in Path(b[0].split(" ", 1)[1]).resolve().parents]
-    for path, locked in ours:
-        if locked:
-            setup.repo.git.worktree("unlock", str(path))
-        setup.workspace.remove(path)
-    setup.repo.git.worktree("prune")
-    return len(ours)
+    return setup.workspace.remove_under(setup.run_dir)
 
 
 def refuse_unless_resumable(run_dir: Path, records: list[Record]):

@@ -111,26 +111,14 @@ def checkout_target(checkout: Path, base: str, head: str, task: Task, runs_dir: 
 def tree_at(repo: git.Repo, commit: str, path: Path, changed: list[str] = (),
             bytecode_from: Path | None = None, link: bool = True) -> Iterator[Path]:
     """A built worktree of `commit`, removed on exit."""
-    Workspace(repo, "verify", path.parent)  # the checkout ignores linked compiled parts
+    workspace = Workspace(repo, "verify", path.parent)  # the checkout ignores linked compiled parts
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists():
-        _remove_tree(repo, path)
-    repo.git.worktree("add", "--detach", str(path), commit)
+    workspace.add(path, commit)
     try:
         build(0, path, list(changed), bytecode_from=bytecode_from, link=link)
         yield path
     finally:
-        _remove_tree(repo, path)
-
-
-def _remove_tree(repo: git.Repo, path: Path) -> None:
-    try:
-        repo.git.worktree("remove", "--force", str(path))
-    except git.GitCommandError:
-        import shutil
-
-        shutil.rmtree(path, ignore_errors=True)
-        repo.git.worktree("prune")
+        workspace.remove(path)
 
 
 def kv_budget(task: Task) -> int | None:

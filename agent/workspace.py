@@ -1,8 +1,11 @@
 """Git side of a run: the run branch, one worktree per candidate, commits with trailers."""
 from __future__ import annotations
 
+import fcntl
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import git
 import yaml
@@ -21,8 +24,9 @@ class Workspace:
     def __init__(self, repo: git.Repo, run_id: str, worktrees: Path):
         self.repo, self.run_id, self.worktrees = repo, run_id, worktrees
         self.branch = f"nightshift/{run_id}"
-        exclude = Path(repo.git.rev_parse("--git-common-dir"))
-        exclude = (exclude if exclude.is_absolute() else Path(repo.working_dir) / exclude) / "info" / "exclude"
+        common = Path(repo.git.rev_parse("--git-common-dir"))
+        self.common = common if common.is_absolute() else Path(repo.working_dir) / common
+        exclude = self.common / "info" / "exclude"
         exclude.parent.mkdir(parents=True, exist_ok=True)
         present = exclude.read_text().splitlines() if exclude.exists() else []
         with open(exclude, "a") as f:
@@ -37,15 +41,47 @@ class Workspace:
     def head(self) -> str:
         return self.repo.git.rev_parse(self.branch)
 
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Git's worktree bookkeeping is not safe to change from several processes at once (`worktree add`
+        reads every other worktree's files, which another `add` may be writing, and `prune` may remove one
+        being made): parallel workers, and runs that share a checkout, take this file lock around it."""
+        with open(self.common / "nightshift-worktrees.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
     def worktree(self, name: str) -> Path:
         """A fresh detached worktree at the run branch's head."""
-        path = self.worktrees / name
-        if path.exists():
-            self.remove(path)
-        self.repo.git.worktree("add", "--detach", str(path), self.head())
+        return self.add(self.worktrees / name, self.head())
+
+    def add(self, path: Path, commit: str) -> Path:
+        """A fresh detached worktree of `commit` at `path` (one there before is removed)."""
+        with self.locked():
+            if path.exists():
+                self._remove(path)
+            self.repo.git.worktree("add", "--detach", str(path), commit)
         return path
 
     def remove(self, path: Path) -> None:
+        with self.locked():
+            self._remove(path)
+
+    def remove_under(self, root: Path) -> int:
+        """Every worktree of this checkout under `root` (a dead harness's), locked ones unlocked first;
+        returns how many."""
+        root = root.resolve()
+        with self.locked():
+            blocks = [block.splitlines() for block in self.repo.git.worktree("list", "--porcelain").split("\n\n")]
+            ours = [(Path(b[0].split(" ", 1)[1]), any(line.startswith("locked") for line in b)) for b in blocks
+                    if b and b[0].startswith("worktree ") and root in Path(b[0].split(" ", 1)[1]).resolve().parents]
+            for path, locked in ours:
+                if locked:
+                    self.repo.git.worktree("unlock", str(path))
+                self._remove(path)
+            self.repo.git.worktree("prune")
+        return len(ours)
+
+    def _remove(self, path: Path) -> None:
         try:
             self.repo.git.worktree("remove", "--force", str(path))
         except git.GitCommandError:
