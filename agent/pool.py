@@ -73,7 +73,7 @@ class ServerPool:
         with self._lock:
             self.running.append(server)
         if self.cache_seed is not None and self.trusted is not None and Path(request.tree) == self.trusted:
-            if not self.cache_seed.exists():
+            with self._lock:
                 self.sandbox.export_cache(server, self.cache_seed)
         return server
 
