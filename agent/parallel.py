@@ -76,10 +76,9 @@ class Parallel:
 
     def gpu_hours(self) -> float:
         """Held by this process's workers, and (a resumed run) by all workers for the time spent before."""
-        now, box = time.time(), self.task.sandbox
-        held = sum((slot.ended or now) - slot.started for slot in self.slots)
-        before = self.resume.spent_s * box.workers if self.resume else 0.0
-        return (held + before) * box.gpus_per_candidate / 3600
+        now = time.time()
+        held = sum((slot.ended or now) - slot.started for slot in self.slots) * self.task.sandbox.gpus_per_candidate
+        return held / 3600 + (self.resume.gpu_hours(self.task) if self.resume else 0.0)
 
     def spawn(self):
         ray = preflight(self.task)

@@ -72,6 +72,10 @@ class Resumption:
     proposed_on: dict[int, str] = field(default_factory=dict)
     """The branch head when each candidate was proposed."""
 
+    def gpu_hours(self, task) -> float:
+        """GPU-hours the run's workers held before the kill (all of them, for the wall clock it had used)."""
+        return self.spent_s * task.sandbox.workers * task.sandbox.gpus_per_candidate / 3600
+
     def in_flight(self, n: int) -> Proposal | None:
         """The recorded proposal of candidate n if it was in flight at the kill (once)."""
         proposal = next((p for p in self.redo if p.candidate == n), None)
@@ -150,11 +154,10 @@ def rebuild(records: list[Record]) -> Resumption:
 
 def nothing_left(task, state: Resumption) -> str:
     """Why a resumed run has no budget left for another evaluation ('' when it has): then it only finishes."""
-    b, box = task.budget, task.sandbox
+    b = task.budget
     if state.spent_s > b.wall_clock_s:
         return "budget: wall clock"
-    if b.max_gpu_hours and box.workers > 1 and state.spent_s * box.workers * box.gpus_per_candidate / 3600 \
-            > b.max_gpu_hours:
+    if b.max_gpu_hours and task.sandbox.workers > 1 and state.gpu_hours(task) > b.max_gpu_hours:
         return "budget: GPU-hours"
     if not state.redo and len(state.history) >= b.max_candidates:
         return "budget: candidates"
@@ -198,12 +201,6 @@ def open_run(run_dir: Path, started: RunStarted, vllm_version: str | None, lock)
     return RunSetup(task=task, run_id=started.run_id, run_dir=run_dir, repo=repo, model=model, vocab_size=vocab_size,
                     trace=None, workspace=workspace, base_commit=started.base_commit, vllm_version=version,
                     torch_version=_version("torch"), linked=linked, cache_seed=seed, lock=lock)
-
-
-def remove_worktrees(setup: RunSetup) -> int:
-    """The dead harness's worktrees of this run (its parallel workers' too), all of them: a resumed run makes its
-    own. One it was still creating is locked; it is unlocked first."""
-    return setup.workspace.remove_under(setup.run_dir)
 
 
 def refuse_unless_resumable(run_dir: Path, records: list[Record]):
@@ -255,7 +252,7 @@ def resume_run(run: str, runs_dir: Path, vllm_version: str | None = None,
         preflight(setup.task)
     sandbox = sandbox or make_sandbox(setup.task.sandbox, run_dir)
     reaped = sandbox.reap() + reap_workers(run_dir)
-    removed = remove_worktrees(setup)
+    removed = setup.workspace.remove_under(run_dir)  # the dead harness's, its workers' too
     if torn:
         os.truncate(trace, keep)
     setup.trace = TraceWriter(trace)

@@ -167,9 +167,9 @@ HEALTH_POLL_S = 0.5
 def wait_healthy(server: Server, timeout_s: float, cancel: threading.Event | None = None) -> None:
     """Until /health answers 200. A server that exits first, is not healthy within `timeout_s`, or whose
     start is called off (`cancel` set), is killed and cleaned up, and SandboxError raised with its logs."""
-    deadline = time.monotonic() + timeout_s
+    deadline, cancel = time.monotonic() + timeout_s, cancel or threading.Event()
     while time.monotonic() < deadline:
-        if cancel is not None and cancel.is_set():
+        if cancel.is_set():
             logs = server.logs()
             server.kill("cancelled")
             raise SandboxError("cancelled", "start called off by the harness; killed and removed", logs)
@@ -181,10 +181,7 @@ def wait_healthy(server: Server, timeout_s: float, cancel: threading.Event | Non
             raise SandboxError(outcome if outcome != "ok" else "crash", message, logs)
         if answers_health(server):
             return
-        if cancel is not None:
-            cancel.wait(HEALTH_POLL_S)
-        else:
-            time.sleep(HEALTH_POLL_S)
+        cancel.wait(HEALTH_POLL_S)
     logs = server.logs()
     server.kill("timeout")
     raise SandboxError("timeout", f"server not healthy after {timeout_s:.0f}s; killed and removed", logs)
