@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from agent.commits import commit_message
+from agent.reaping import reap_workers
 from agent.proposers.base import Attempt, ProposalContext, Proposer, ProposerExhausted
 from agent.setup import RunSetup
 from agent.cluster import import_ray, preflight
@@ -302,7 +303,7 @@ class Parallel:
         for slot in self.slots:
             ray.kill(slot.actor)
             slot.ended = slot.ended or time.time()
-        reap_servers(self.s.run_dir / "workers")
+        reap_workers(self.s.run_dir)  # ray.kill returns before the actor is gone, and its servers are not Ray's
         if self.view is not None:
             self.s.workspace.remove(self.view[1])
 

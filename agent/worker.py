@@ -179,7 +179,9 @@ class Worker:
                             tree=str(tree or ""), started=started, finished=time.time())
 
     def close(self) -> None:
-        self.drop_pending()
-        self.loop.pool.close()
+        try:
+            self.drop_pending()
+        finally:
+            self.loop.pool.close()
         self.stage = "stopped"
         self.status()

@@ -1,6 +1,7 @@
 """Facts about harness processes and host files that more than one backend needs."""
 from __future__ import annotations
 
+import os
 import socket
 import stat
 from pathlib import Path
@@ -12,10 +13,12 @@ def process_identity(pid: int) -> str:
 
 
 def start_time(pid: int) -> str:
+    """The start time of a running process; "?" for one that is gone, or dead and not yet waited for."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
         return "?"
+    return "?" if len(fields) < 20 or fields[0] in ("Z", "X") else fields[19]
 
 
 def owner_alive(owner: str) -> bool:
@@ -26,7 +29,31 @@ def owner_alive(owner: str) -> bool:
         return False
     if host != socket.gethostname():
         return True
-    return pid.isdigit() and Path(f"/proc/{pid}").exists() and start_time(int(pid)) == start
+    return pid.isdigit() and start != "?" and start_time(int(pid)) == start
+
+
+SERVER_HOME_ENV, OWNER_ENV = "NIGHTSHIFT_SERVER_HOME", "NIGHTSHIFT_OWNER"
+"""Every local server process carries its home and its harness's identity in its environment, so that the
+processes of a dead harness are found even where it died before recording them."""
+
+
+def server_marks(home: Path) -> dict[str, str]:
+    return {SERVER_HOME_ENV: str(Path(home).resolve()), OWNER_ENV: process_identity(os.getpid())}
+
+
+def marked_processes(under: Path) -> list[tuple[int, str]]:
+    """(pid, owner) of every process on this host whose environment names a server home under `under`."""
+    root, found = str(Path(under).resolve()).rstrip("/") + "/", []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            text = environ.read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        entries = dict(entry.split("=", 1) for entry in text.split("\0") if "=" in entry)
+        home = entries.get(SERVER_HOME_ENV, "")
+        if home.startswith(root):
+            found.append((int(environ.parent.name), entries.get(OWNER_ENV, "")))
+    return found
 
 
 def open_for_reading(root: Path) -> int:

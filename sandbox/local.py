@@ -14,6 +14,7 @@ from pathlib import Path
 
 from sandbox.base import Endpoint, Outcome, Reachable, ServerSpec, build_env, read_imports, serve_argv, wait_healthy
 from sandbox.config import SandboxConfig
+from sandbox.host import marked_processes, owner_alive, server_marks, start_time
 
 RECORDER = Path(__file__).parent / "recorder"
 PASSED_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "LD_LIBRARY_PATH",
@@ -38,7 +39,7 @@ def server_env(spec: ServerSpec, home: Path, import_log: Path, source_tree: Path
         "PYTHONPATH": os.pathsep.join([str(RECORDER), str(source_tree), *inherited]),
         "TORCHINDUCTOR_CACHE_DIR": str(home / "cache" / "torchinductor"),
         "NIGHTSHIFT_IMPORT_LOG": str(import_log), "NIGHTSHIFT_SOURCE_TREE": str(source_tree),
-        "PYTHONUNBUFFERED": "1",
+        "PYTHONUNBUFFERED": "1", **server_marks(home),
     }
     if spec.gpus:
         fixed["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
@@ -149,13 +150,13 @@ def record_server(home: Path, pid: int) -> None:
 
 
 def process_identity(pid: int) -> str:
-    """`<boot id> <start time>` of a running process; "" where /proc cannot tell."""
+    """`<boot id> <start time>` of a running process; "" where /proc cannot tell, or it is dead (a zombie)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        start = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+    except OSError:
         return ""
-    return f"{boot} {start}"
+    start = start_time(pid)
+    return "" if start == "?" else f"{boot} {start}"
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -198,7 +199,26 @@ def reap_servers(runs_root: Path) -> int:
                 pass
         pid_file.unlink(missing_ok=True)
         identity.unlink(missing_ok=True)
-    return reaped
+    return reaped + _reap_unrecorded(runs_root)
+
+
+def _reap_unrecorded(runs_root: Path) -> int:
+    """Kill the groups of server processes under RUNS_ROOT whose harness is gone that no pid file names (a harness
+    killed between starting a server and recording it; a home another start cleared): found by their marks."""
+    groups = set()
+    for pid, owner in marked_processes(runs_root):
+        if owner_alive(owner):
+            continue
+        try:
+            group = os.getpgid(pid)
+            if group != os.getpgrp():
+                os.killpg(group, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+            groups.add(group)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return len(groups)
 
 
 def copy_caches(source: Path, dest: Path) -> None:
@@ -208,6 +228,7 @@ def copy_caches(source: Path, dest: Path) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether PID runs (a zombie does not: it is dead, waiting for its parent)."""
     if pid <= 0:
         return False
     try:
@@ -215,6 +236,6 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    return start_time(pid) != "?"
 

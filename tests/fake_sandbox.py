@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from sandbox.base import ServerSpec
+from sandbox.host import server_marks
 from sandbox.local import LocalServer, free_port, reap_servers, record_server, wait_healthy
 
 FAKE = Path(__file__).parent / "fake_vllm.py"
@@ -35,7 +36,7 @@ class FakeSandbox:
         with open(log, "wb") as out:
             process = subprocess.Popen([sys.executable, str(FAKE), str(spec.source_tree), str(port), str(imports)],
                                        stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                       env={**os.environ, **spec.env})
+                                       env={**os.environ, **server_marks(home), **spec.env})
         record_server(home, process.pid)
         (home / "tmp").mkdir()
         server = CountedServer(spec, process, port, home, log, imports, home / "tmp")

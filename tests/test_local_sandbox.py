@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 
 from sandbox.base import SandboxError, ServerSpec, serve_argv
-from sandbox.local import RECORDER, LocalSandbox, LocalServer, _alive, free_port, server_env, wait_healthy
+from sandbox.host import OWNER_ENV, marked_processes, server_marks, start_time
+from sandbox.host import process_identity as harness_identity
+from sandbox.local import (RECORDER, LocalSandbox, LocalServer, _alive, free_port, process_identity, server_env,
+                           wait_healthy)
 
 
 def spec(tmp_path, **kw) -> ServerSpec:
@@ -58,6 +61,58 @@ def test_reap_kills_servers_whose_harness_is_gone(tmp_path):
     finally:
         neighbour.kill()
         orphan.kill()
+
+
+def sleeper(env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True,
+                            env={**os.environ, **(env or {})})
+
+
+def test_reap_finds_servers_their_dead_harness_never_recorded(tmp_path):
+    """A harness killed between starting a server and writing its pid file, or a pid file a later start
+    cleared: the server is found by the marks in its environment, and killed only if its harness is gone."""
+    dead = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    dead_identity = harness_identity(dead.pid)
+    dead.kill()
+    dead.wait()
+    home = tmp_path / "old-run" / "servers" / "c1"
+    orphan = sleeper({**server_marks(home), OWNER_ENV: dead_identity})
+    neighbour = sleeper(server_marks(tmp_path / "live-run" / "servers" / "c1"))  # its harness (this one) lives
+    elsewhere = sleeper({**server_marks(tmp_path.parent / "other-runs" / "x"), OWNER_ENV: dead_identity})
+    try:
+        deadline = time.time() + 10
+        while not marked_processes(tmp_path) and time.time() < deadline:
+            time.sleep(0.05)
+        assert sorted(pid for pid, _ in marked_processes(tmp_path)) == sorted([orphan.pid, neighbour.pid])
+        assert LocalSandbox(None, tmp_path / "new-run").reap() == 1
+        orphan.wait(10)
+        assert orphan.returncode == -signal.SIGKILL
+        time.sleep(0.2)
+        assert neighbour.poll() is None and elsewhere.poll() is None  # not under these runs
+    finally:
+        for proc in (orphan, neighbour, elsewhere):
+            proc.kill()
+
+
+def test_a_harness_dead_but_not_yet_waited_for_is_gone(tmp_path):
+    """A killed harness stays a zombie until its parent waits for it: its servers are reaped all the same."""
+    server_dir = tmp_path / "old-run" / "servers" / "c1"
+    server_dir.mkdir(parents=True)
+    harness = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.time() + 10
+    while start_time(harness.pid) != "?" and time.time() < deadline:
+        time.sleep(0.02)
+    assert Path(f"/proc/{harness.pid}").exists()  # a zombie: not waited for yet
+    orphan = sleeper()
+    (server_dir / "pid").write_text(str(orphan.pid))
+    (server_dir / "owner").write_text(str(harness.pid))
+    try:
+        assert not _alive(harness.pid) and process_identity(harness.pid) == ""
+        assert LocalSandbox(None, tmp_path / "new-run").reap() == 1
+        orphan.wait(10)
+    finally:
+        orphan.kill()
+        harness.wait()
 
 
 FAKE_SERVE = """
