@@ -219,14 +219,23 @@ def refuse_unless_resumable(run_dir: Path, records: list[Record]):
         raise ResumeRefused(f"cannot read the run's branch: {exc}") from None
 
 
-def check_resumable(run: str, runs_dir: Path) -> Path:
-    """The run folder, if `run --resume` would take it now (checked read-only; the lock is let go again)."""
+def _open_checked(run: str, runs_dir: Path):
+    """The run folder, its lock, its trace as read for resuming, and the checks' findings; a refusal lets go of
+    the lock before it is raised."""
     run_dir = resolve_run(run, runs_dir).resolve()
     lock = lock_run(run_dir)
     try:
-        refuse_unless_resumable(run_dir, read_for_resume(run_dir / "trace.jsonl")[0])
-    finally:
+        read = read_for_resume(run_dir / "trace.jsonl")
+        return run_dir, lock, read, refuse_unless_resumable(run_dir, read[0])
+    except BaseException:
         lock.close()
+        raise
+
+
+def check_resumable(run: str, runs_dir: Path) -> Path:
+    """The run folder, if `run --resume` would take it now (checked read-only; the lock is let go again)."""
+    run_dir, lock, _, _ = _open_checked(run, runs_dir)
+    lock.close()
     return run_dir
 
 
@@ -234,12 +243,9 @@ def resume_run(run: str, runs_dir: Path, vllm_version: str | None = None,
                sandbox: Sandbox | None = None) -> tuple[RunSetup, Proposer, Sandbox, Resumption]:
     """Check the run, rebuild its state, clean up after the dead harness; the trace is touched only once
     everything checked out (the torn line cut off). Raises ResumeRefused (or another NightshiftError)."""
-    run_dir = resolve_run(run, runs_dir).resolve()
-    lock = lock_run(run_dir)
+    run_dir, lock, (records, torn, keep), checked = _open_checked(run, runs_dir)
     trace = run_dir / "trace.jsonl"
-    records, torn, keep = read_for_resume(trace)
     started: RunStarted = records[0].event
-    checked = refuse_unless_resumable(run_dir, records)
     state = rebuild(records)
     setup = open_run(run_dir, started, vllm_version, lock)
     if state.pending is not None:

@@ -54,7 +54,7 @@ class LiveView:
                 (f" (confirmation {event.confirmation})" if event.confirmation else "")
             if self.bar is None or self.bar[0] != what:
                 self.begin(what, 2 * b.repetitions)
-            done = self.progress.tasks[-1].completed + 1
+            done = next(t for t in self.progress.tasks if t.id == self.bar[1]).completed + 1
             total = 2 * max(b.repetitions, b.max_repetitions or 0) if done > 2 * b.repetitions else 2 * b.repetitions
             self.progress.update(self.bar[1], completed=done, total=total)
         elif event.kind == "parity" and event.ok:
