@@ -28,7 +28,9 @@ def test_the_a_a_runs_before_the_first_candidate_and_warns_when_it_cannot_see_mi
     assert [s.role for s in floor.samples] == ["incumbent", "candidate", "candidate", "incumbent"] * 2
     assert floor.metric == "steady_total_tokens_per_s"
     assert 0 < floor.cv_incumbent < 0.5 and 0 < floor.cv_peer < 0.5 and floor.log_ratio_sd > 0
-    assert 0.8 < floor.speedup < 1.25 and floor.ci_low < 1.0 < floor.ci_high  # a server against itself
+    assert 0.8 < floor.speedup < 1.25 and floor.ci_low < floor.speedup < floor.ci_high  # a server against itself
+    # (not that its interval holds 1.0: a 95% interval misses in 1 of 20 A/As; tests/test_sequential.py checks
+    # the false-accept rate over resampled A/As)
     # 4 pairs of real processes never see 0.01%: a quiet A/A once gave an MDE of 1.009, above 1.0001 still
     assert floor.mde_speedup > 1.0001 and "benchmark.repetitions" in floor.warning
     assert (floor.pairs_needed is None and "far more" in floor.warning
