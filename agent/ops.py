@@ -5,7 +5,6 @@ import hashlib
 import io
 import itertools
 import json
-import os
 import tarfile
 import tempfile
 import time
@@ -17,6 +16,7 @@ from pydantic import BaseModel
 from rich.table import Table
 
 from agent.audit import BUNDLE
+from sandbox.host import running
 from traces.errors import NightshiftError
 from traces.log import parse_trace, read_trace_so_far
 from traces.schema import Commit, Decision, Record, RunFinished, RunStarted
@@ -95,7 +95,7 @@ def run_status(run_dir: Path, now: float | None = None) -> RunStatus:
         candidates_left=max(0, int(budget.get("max_candidates", 0)) - len(decisions)),
         elapsed_s=elapsed, wall_clock_left_s=max(0.0, float(budget.get("wall_clock_s", 0)) - elapsed),
         finished=finished is not None, finish_reason=finished.reason if finished else "",
-        harness_pid=pid, harness_alive=None if pid is None else _alive(pid),
+        harness_pid=pid, harness_alive=None if pid is None else running(pid),
         records=len(records), torn_last_line=torn)
 
 
@@ -103,16 +103,6 @@ def _harness_pid(run_dir: Path) -> int | None:
     owners = sorted(run_dir.glob("servers/*/owner"), key=lambda p: p.stat().st_mtime)
     text = owners[-1].read_text().strip() if owners else ""
     return int(text) if text.isdigit() else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 def status_table(status: RunStatus) -> Table:

@@ -21,6 +21,19 @@ def start_time(pid: int) -> str:
     return "?" if len(fields) < 20 or fields[0] in ("Z", "X") else fields[19]
 
 
+def running(pid: int) -> bool:
+    """Whether PID runs (a zombie does not: it is dead, waiting for its parent)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return start_time(pid) != "?"
+
+
 def owner_alive(owner: str) -> bool:
     """Whether the harness process that started a server still runs (other hosts: assume so)."""
     try:

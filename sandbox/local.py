@@ -14,7 +14,7 @@ from pathlib import Path
 
 from sandbox.base import Endpoint, Outcome, Reachable, ServerSpec, build_env, read_imports, serve_argv, wait_healthy
 from sandbox.config import SandboxConfig
-from sandbox.host import marked_processes, owner_alive, server_marks, start_time
+from sandbox.host import marked_processes, owner_alive, running, server_marks, start_time
 
 RECORDER = Path(__file__).parent / "recorder"
 PASSED_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "LD_LIBRARY_PATH",
@@ -174,7 +174,7 @@ def _ours(pgid: int, recorded: str) -> bool:
     """Whether process group PGID is still the server recorded (its leader may have died before the others)."""
     if not recorded:
         return True
-    if _alive(pgid):
+    if running(pgid):
         return process_identity(pgid) == recorded
     return process_identity(os.getpid()).split(" ")[0] == recorded.split(" ")[0] and bool(_group_members(pgid))
 
@@ -185,7 +185,7 @@ def reap_servers(runs_root: Path) -> int:
     reaped = 0
     for pid_file in Path(runs_root).glob("*/servers/*/pid"):
         owner, identity = pid_file.with_name("owner"), pid_file.with_name("identity")
-        if owner.exists() and _alive(int(owner.read_text() or 0)):
+        if owner.exists() and running(int(owner.read_text() or 0)):
             continue
         try:
             pgid = int(pid_file.read_text())
@@ -225,17 +225,4 @@ def copy_caches(source: Path, dest: Path) -> None:
     for name in CACHE_DIRS:
         if (source / name).is_dir():
             shutil.copytree(source / name, dest / name, symlinks=True, dirs_exist_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    """Whether PID runs (a zombie does not: it is dead, waiting for its parent)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return start_time(pid) != "?"
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from sandbox.base import SandboxError, ServerSpec, serve_argv
-from sandbox.host import OWNER_ENV, marked_processes, server_marks, start_time
+from sandbox.host import OWNER_ENV, marked_processes, running, server_marks, start_time
 from sandbox.host import process_identity as harness_identity
-from sandbox.local import (RECORDER, LocalSandbox, LocalServer, _alive, free_port, process_identity, server_env,
+from sandbox.local import (RECORDER, LocalSandbox, LocalServer, free_port, process_identity, server_env,
                            wait_healthy)
 
 
@@ -57,7 +57,7 @@ def test_reap_kills_servers_whose_harness_is_gone(tmp_path):
         orphan.wait(10)
         assert orphan.returncode == -signal.SIGKILL
         time.sleep(0.2)
-        assert neighbour.poll() is None and _alive(neighbour.pid)
+        assert neighbour.poll() is None and running(neighbour.pid)
     finally:
         neighbour.kill()
         orphan.kill()
@@ -107,7 +107,7 @@ def test_a_harness_dead_but_not_yet_waited_for_is_gone(tmp_path):
     (server_dir / "pid").write_text(str(orphan.pid))
     (server_dir / "owner").write_text(str(harness.pid))
     try:
-        assert not _alive(harness.pid) and process_identity(harness.pid) == ""
+        assert not running(harness.pid) and process_identity(harness.pid) == ""
         assert LocalSandbox(None, tmp_path / "new-run").reap() == 1
         orphan.wait(10)
     finally:
