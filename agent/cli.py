@@ -214,13 +214,15 @@ def verify(run: Optional[str] = typer.Argument(None, help="run folder or run id 
            output_lens: Optional[str] = typer.Option(None, help="e.g. 128,256"),
            concurrency: Optional[str] = typer.Option(None, help="e.g. 1,16,64,256"),
            repetitions: Optional[int] = typer.Option(None, min=2, help="paired passes per cell"),
+           settings: list[str] = typer.Option([], "--set", help="override a task field for this verify, e.g. "
+                                              "--set parity.num_prompts=4 (repeatable; recorded in verify.json)"),
            quiet: bool = typer.Option(False, help="no progress bars")):
     """Measure the branch's head against its base over a grid of input/output lengths and concurrency.
     Exit code 1: a cell regressed beyond its interval, failed parity or the audit, or failed to run."""
     from agent.verify_cli import run_verify
 
     raise typer.Exit(run_verify(console, run, runs_dir, base, head, checkout, task_file or DEFAULT_TASK,
-                                input_lens, output_lens, concurrency, repetitions, quiet))
+                                input_lens, output_lens, concurrency, repetitions, quiet, settings))
 
 
 @app.command()

@@ -9,7 +9,7 @@ import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -60,6 +60,8 @@ class Target:
     run_id: str
     model_sha256: str | None = None
     """The run's model, which the checkpoint prepared now must match."""
+    settings: list[str] = field(default_factory=list)
+    """`--set` overrides applied to the task for this verify."""
 
     @property
     def out_dir(self) -> Path:
@@ -304,6 +306,7 @@ def verify(target: Target, input_lens: list[int], output_lens: list[int], concur
     results = (_measure(target, plan, model.path, base_args, head_args, vocab, repetitions, progress, sandbox, link)
                if plan.runnable else [skipped(c) for c in plan.cells])
     data = {"format": FORMAT, "run_id": target.run_id, "task": task.name,
+            "settings": target.settings,
             "base": {"ref": target.base_ref, "commit": target.base, "engine_args": base_args},
             "head": {"ref": target.head_ref, "commit": target.head, "engine_args": head_args},
             "environment": environment(task, model.sha256, plan.max_model_len or None),
@@ -377,7 +380,8 @@ def markdown(data: dict) -> str:
              f"({data['base']['commit'][:12]}); relative total token throughput (head / base), "
              f"{data['confidence']:.0%} interval, {grid['repetitions']} paired passes per cell.", "",
              f"{hardware}; vLLM {env['vllm']}, torch {env['torch']}, {env['dtype']}, max_model_len "
-             f"{env['max_model_len']}, nightshift {env['nightshift']}, model {env['model_sha256'][:12]}", "",
+             f"{env['max_model_len']}, nightshift {env['nightshift']}, model {env['model_sha256'][:12]}"
+             + (f"; task overrides: {', '.join(data['settings'])}" if data.get("settings") else ""), "",
              "| input | output | " + " | ".join(f"c={c}" for c in grid["concurrency"]) + " |",
              "|---|---|" + "---|" * len(grid["concurrency"])]
     by_key = {(c["input_len"], c["output_len"], c["concurrency"]): c for c in data["cells"]}

@@ -7,14 +7,15 @@ from rich.console import Console
 from rich.markup import escape
 
 from agent.grid import parse_lens
-from agent.task import load_task
+from agent.task import load_task, with_settings
 from agent.verify import VerifyError, checkout_target, run_target, verify
 from agent.verify_view import VerifyProgress
 
 
 def run_verify(console: Console, run: str | None, runs_dir: Path, base: str | None, head: str | None,
                checkout: Path | None, task_file: Path, input_lens: str | None, output_lens: str | None,
-               concurrency: str | None, repetitions: int | None, quiet: bool) -> int:
+               concurrency: str | None, repetitions: int | None, quiet: bool,
+               settings: list[str] = ()) -> int:
     """0: no regression; 1: a cell regressed, failed parity or the audit, or failed to run."""
     from agent.audit import resolve_run
     from agent.html_report import write_report
@@ -31,6 +32,9 @@ def run_verify(console: Console, run: str | None, runs_dir: Path, base: str | No
         target = checkout_target(checkout, base or f"v{task.target.vllm_version}", head, task, runs_dir)
     else:
         raise VerifyError("verify needs a run (id or folder), or --checkout PATH --head REF")
+    if settings:
+        target.task = with_settings(target.task, list(settings))
+        target.settings = list(settings)
     v = target.task.verify
     lens = [parse_lens(text, name) if text else default for text, name, default in
             ((input_lens, "input-lens", v.input_lens), (output_lens, "output-lens", v.output_lens),

@@ -38,7 +38,8 @@ def test_verify_a_serving_flags_commit_on_a_small_grid(vllm_checkout, tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "agent.cli", "verify", "--checkout", str(vllm_checkout), "--head", head,
          "--base", "v0.32.0", "--task", str(ROOT / "tasks" / "gemma4-tiny-cpu.yaml"), "--runs-dir", str(runs),
-         "--input-lens", "32,64,4096", "--output-lens", "16", "--concurrency", "1,4", "--repetitions", "3"],
+         "--input-lens", "32,64,4096", "--output-lens", "16", "--concurrency", "1,4", "--repetitions", "3",
+         "--set", "parity.num_prompts=3"],
         cwd=tmp_path, capture_output=True, text=True, timeout=840, stdin=subprocess.DEVNULL,
         env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "160"})
     print(out.stdout[-6000:], out.stderr[-3000:])
@@ -52,11 +53,12 @@ def test_verify_a_serving_flags_commit_on_a_small_grid(vllm_checkout, tmp_path):
         assert cells[f"in4096-out16-c{c}"]["status"] == "skipped"
         assert "max_position_embeddings 4096" in cells[f"in4096-out16-c{c}"]["reason"]
     assert data["grid"]["max_model_len"] == 64 + 16 + 1
+    assert data["settings"] == ["parity.num_prompts=3"]
     assert data["head"]["engine_args"]["max_num_seqs"] == 32 and data["base"]["engine_args"]["max_num_seqs"] == 4
     for key in ("in32-out16-c1", "in32-out16-c4", "in64-out16-c1", "in64-out16-c4"):
         cell = cells[key]
         assert cell["status"] == "ok", cell["reason"]
-        assert cell["parity"]["ok"] and cell["parity"]["regime"] == "sequential"
+        assert cell["parity"]["ok"] and cell["parity"]["regime"] == "sequential" and cell["parity"]["prompts"] == 3
         assert cell["audit"]["passed"] and cell["audit"]["tokens"] == 3 * cell["num_prompts"] * 16
         assert cell["baseline"]["total_token_throughput"] > 0 and cell["head"]["median_tpot_ms"] > 0
         gain = cell["speedup"]["total_token_throughput"]
@@ -65,6 +67,7 @@ def test_verify_a_serving_flags_commit_on_a_small_grid(vllm_checkout, tmp_path):
     env = data["environment"]
     assert env["gpu"] == "cpu" and env["vllm"].startswith("0.32.0") and env["max_model_len"] == 81
     assert "| 32 | 16 |" in (folder / "verify" / "verify.md").read_text()
+    assert "task overrides: parity.num_prompts=3" in (folder / "verify" / "verify.md").read_text()
     assert "Verify grid" in (folder / "report.html").read_text()
     assert "grid cells" in out.stdout or "cells:" in out.stdout
     assert not any(p.name in ("baseline", "head") for p in (folder / "verify" / "worktrees").glob("*"))
