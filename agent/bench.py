@@ -15,7 +15,7 @@ import numpy as np
 
 from agent import gpu_state
 from agent.load import LoadClient, steady_window
-from agent.requests import draw_prompts
+from agent.requests import ANSWER_ERRORS, RequestError, draw_prompts
 from agent.stats import SpeedupEstimate, plan_looks, sequential_estimate
 from agent.task import Task
 from agent.token_audit import Output
@@ -29,6 +29,16 @@ class WorkMismatch(RuntimeError):
 
 class HarnessBound(RuntimeError):
     """The load client was too busy during a pass for its clock to measure the server."""
+
+
+class PassFailed(RequestError):
+    """A timed pass's server failed to answer (an error, a dead process, or a stream silent for
+    benchmark.stall_timeout_s): which side it was, so that a hung incumbent is not blamed on the candidate."""
+
+    def __init__(self, role: str, server: str, repetition: int, cause: BaseException):
+        self.role, self.server, self.repetition = role, server, repetition
+        detail = str(cause) or type(cause).__name__
+        super().__init__(f"the {role}'s server {server} failed in repetition {repetition}: {detail}")
 
 
 @dataclass
@@ -87,10 +97,14 @@ def pass_size(task: Task, wave_seconds: float | None = None) -> int:
 
 
 async def timed_pass(load: LoadClient, server: Server, role: str, repetition: int, prompts: list[list[int]],
-                     output_len: int, concurrency: int | None, timeout_s: float, gpus: list[int] = ()) -> Pass:
+                     output_len: int, concurrency: int | None, timeout_s: float, gpus: list[int] = (),
+                     stall_s: float | None = None) -> Pass:
     with gpu_state.GpuMonitor(list(gpus), gpu_state.server_pids(server) if gpus else None) as gpu:
         started = time.perf_counter()
-        result = await load.run(server.endpoint, prompts, output_len, concurrency, timeout_s)
+        try:
+            result = await load.run(server.endpoint, prompts, output_len, concurrency, timeout_s, stall_s)
+        except ANSWER_ERRORS as exc:
+            raise PassFailed(role, server.name, repetition, exc) from None
         seconds, completions = time.perf_counter() - started, result.completions
     outputs = [c.tokens for c in completions]
     short = [i for i, tokens in enumerate(outputs) if len(tokens) != output_len]
@@ -122,7 +136,8 @@ async def timed_pass(load: LoadClient, server: Server, role: str, repetition: in
     return Pass(sample, prompts, outputs)
 
 
-async def warm_up(load: LoadClient, server: Server, task: Task, vocab_size: int, seed: int) -> float | None:
+async def warm_up(load: LoadClient, server: Server, task: Task, vocab_size: int, seed: int,
+                  role: str = "incumbent") -> float | None:
     """The warm-up requests (at least one wave where passes are sized by duration); returns their seconds."""
     w = task.workload
     count = max(task.benchmark.warmup_requests, w.concurrency if w.duration_s else 0)
@@ -130,7 +145,11 @@ async def warm_up(load: LoadClient, server: Server, task: Task, vocab_size: int,
         return None
     prompts = draw_prompts(seed, count, w.input_len, vocab_size)
     started = time.perf_counter()
-    await load.run(server.endpoint, prompts, w.output_len, w.concurrency, task.benchmark.request_timeout_s)
+    try:
+        await load.run(server.endpoint, prompts, w.output_len, w.concurrency, task.benchmark.request_timeout_s,
+                       task.benchmark.stall_timeout_s)
+    except ANSWER_ERRORS as exc:
+        raise PassFailed(role, server.name, -1, exc) from None
     return (time.perf_counter() - started) / math.ceil(count / (w.concurrency or count))
 
 
@@ -164,7 +183,7 @@ async def calibration_passes(task: Task, server: Server, vocab_size: int, seeds:
         count = pass_size(task, await warm_up(load, server, task, vocab_size, seeds[0]))
         return [await timed_pass(load, server, "incumbent", repetition,
                                  draw_prompts(seed, count, w.input_len, vocab_size), w.output_len,
-                                 w.concurrency, b.request_timeout_s, task.sandbox.gpus)
+                                 w.concurrency, b.request_timeout_s, task.sandbox.gpus, b.stall_timeout_s)
                 for repetition, seed in enumerate(seeds[1:])]
 
 
@@ -172,7 +191,7 @@ async def _compare(load: LoadClient, task: Task, incumbent: Server, candidate: S
                    seeds: list[int], on_sample: Callable[[Sample], None]) -> Comparison:
     w, b, a = task.workload, task.benchmark, task.acceptance
     wave_s = await warm_up(load, incumbent, task, vocab_size, seeds[0])
-    await warm_up(load, candidate, task, vocab_size, seeds[0])
+    await warm_up(load, candidate, task, vocab_size, seeds[0], "candidate")
     count = pass_size(task, wave_s)
     looks, metric = planned_looks(task), sample_metric(task)
     seeds = list(seeds) + [secrets.randbits(63) for _ in range(looks[-1] + 1 - len(seeds))]
@@ -190,7 +209,7 @@ async def _compare(load: LoadClient, task: Task, incumbent: Server, candidate: S
         passes = {}
         for role, server in order:
             passes[role] = await timed_pass(load, server, role, repetition, prompts, w.output_len, w.concurrency,
-                                            b.request_timeout_s, task.sandbox.gpus)
+                                            b.request_timeout_s, task.sandbox.gpus, b.stall_timeout_s)
             sample = passes[role].sample
             samples.append(sample)
             kept.append(passes[role])

@@ -59,10 +59,10 @@ def steady_window(completions: list[Completion], prompt_lens: list[int], lanes: 
 
 
 def _shard(endpoint: Endpoint, prompts: list[list[int]], max_tokens: int, lanes: int,
-           timeout_s: float) -> tuple[list[Completion], float, float]:
+           timeout_s: float, stall_s: float | None = None) -> tuple[list[Completion], float, float]:
     cpu, started = time.process_time(), time.perf_counter()
     try:
-        completions = asyncio.run(complete_all(endpoint, prompts, max_tokens, lanes, timeout_s))
+        completions = asyncio.run(complete_all(endpoint, prompts, max_tokens, lanes, timeout_s, stall_s))
     except Exception as exc:  # crosses a process boundary: keep the message, in a type that pickles
         raise RequestError(f"{type(exc).__name__}: {exc}") from None
     return completions, time.process_time() - cpu, time.perf_counter() - started
@@ -92,12 +92,13 @@ class LoadClient:
             self.pool.shutdown(cancel_futures=True)
 
     async def run(self, endpoint: Endpoint, prompts: list[list[int]], max_tokens: int, concurrency: int | None,
-                  timeout_s: float) -> Load:
-        """All prompts by at most `concurrency` lanes in all (None: all at once); results in prompt order."""
+                  timeout_s: float, stall_s: float | None = None) -> Load:
+        """All prompts by at most `concurrency` lanes in all (None: all at once); results in prompt order. A
+        stream silent for `stall_s` fails the run (httpx's read timeout)."""
         lanes = min(concurrency or len(prompts), len(prompts))
         if self.pool is None or lanes < 2:
             cpu, started = time.process_time(), time.perf_counter()
-            completions = await complete_all(endpoint, prompts, max_tokens, lanes, timeout_s)
+            completions = await complete_all(endpoint, prompts, max_tokens, lanes, timeout_s, stall_s)
             cpu = time.process_time() - cpu
             return Load(completions, cpu, cpu / (time.perf_counter() - started))
         parts = min(self.processes, lanes)
@@ -105,7 +106,7 @@ class LoadClient:
         loop = asyncio.get_running_loop()
         results = await asyncio.gather(*(
             loop.run_in_executor(self.pool, _shard, endpoint, [prompts[i] for i in shard], max_tokens,
-                                 lanes // parts + (j < lanes % parts), timeout_s)
+                                 lanes // parts + (j < lanes % parts), timeout_s, stall_s)
             for j, shard in enumerate(shards)))
         completions: list[Completion] = [None] * len(prompts)  # type: ignore[list-item]
         for shard, (done, _, _) in zip(shards, results):

@@ -33,7 +33,7 @@ from sandbox import make_sandbox
 from sandbox.base import Sandbox, SandboxError, Server
 from traces.errors import NightshiftError
 from traces.schema import (AnyEvent, BenchReport, Commit, Decision, PatchApplied, Proposal, RunFinished, SampleTaken,
-                           SelfParity, Stage, TokenAudit)
+                           IncumbentRestarted, SelfParity, Stage, TokenAudit)
 
 if TYPE_CHECKING:
     from agent.resume import Resumption
@@ -51,6 +51,14 @@ class SetupNotDeterministic(NightshiftError):
 
 class AuditNotCalibrated(NightshiftError):
     stage = "audit"
+
+
+class IncumbentFailed(NightshiftError):
+    stage = "benchmark"
+
+
+MAX_INCUMBENT_RESTARTS = 3
+"""Per run: an incumbent that keeps failing is a broken setup, not bad luck."""
 
 
 @dataclass
@@ -78,6 +86,7 @@ class Loop:
         self.history: list[Attempt] = list(resume.history) if resume else []
         self.best_speedup, self.kept = (resume.best_speedup, resume.kept) if resume else (1.0, 0)
         self.dedicated_parity = bool(self.task.parity.env or self.task.parity.args)
+        self.restarts = 0
 
     def emit(self, event: AnyEvent) -> str:
         sha = self.s.trace.append(event)
@@ -285,7 +294,7 @@ class Loop:
                 break
         return decision
 
-    def benchmark(self, trial: Trial, server: Server, files: list[str], confirmation: int):
+    def benchmark(self, trial: Trial, server: Server, files: list[str], confirmation: int, again: bool = False):
         n = trial.candidate
         seeds = [secrets.randbits(63) for _ in range(self.task.benchmark.repetitions + 1)]
         try:
@@ -294,6 +303,13 @@ class Loop:
                 on_sample=lambda sample: self.emit(SampleTaken(candidate=n, sample=sample, confirmation=confirmation))))
         except (bench.WorkMismatch, bench.HarnessBound) as exc:
             raise Rejected("benchmark", str(exc)) from None
+        except bench.PassFailed as exc:
+            if exc.role == "candidate":
+                raise Rejected("benchmark", str(exc), "crash") from None
+            self.restart_incumbent(n, confirmation, exc)
+            if again:  # the incumbent failed twice while this candidate ran beside it
+                raise Rejected("benchmark", f"{exc} (the second time beside this candidate)", "crash") from None
+            return self.benchmark(trial, server, files, confirmation, again=True)
         except ANSWER_ERRORS as exc:
             raise Rejected("benchmark", f"request failed: {exc}", "crash") from None
         bench.save_passes(self.s.run_dir / "outputs", f"candidate-{n}-{confirmation}", result.passes)
@@ -307,6 +323,25 @@ class Loop:
         if ceiling and fastest > ceiling:
             raise Rejected("benchmark", f"quarantined: {fastest:.0f} tok/s exceeds the roofline ceiling {ceiling:.0f}")
         return report, result.outputs("candidate")
+
+    def restart_incumbent(self, n: int, confirmation: int, failure: bench.PassFailed) -> None:
+        """A fresh server of the incumbent's tree and flags in place of one that failed mid-benchmark."""
+        old = self.incumbent
+        if old.server is self.reference:
+            raise IncumbentFailed(f"{failure}; the incumbent is also the parity reference, which is not replaced "
+                                  "mid-run: resume the run (nightshift run --resume)")
+        if self.restarts >= MAX_INCUMBENT_RESTARTS:
+            raise IncumbentFailed(f"{failure}; the incumbent's server already failed {self.restarts} times in this run")
+        self.restarts += 1
+        self.pool.release(old.server)
+        began = time.monotonic()
+        try:
+            server = self.pool.start([ServerRequest(f"incumbent-r{self.restarts}", old.tree, old.args)])[0]
+        except SandboxError as exc:
+            raise IncumbentFailed(f"{failure}; its replacement failed to start: {exc}") from None
+        self.incumbent = Incumbent(server, old.args, old.tree)
+        self.emit(IncumbentRestarted(candidate=n, confirmation=confirmation, failed_server=failure.server,
+                                     server=server.name, reason=str(failure), seconds=round(time.monotonic() - began, 2)))
 
     def audit(self, n: int, outputs, confirmation: int = 0, calibration: bool = False) -> TokenAudit:
         a = self.task.audit

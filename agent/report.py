@@ -60,6 +60,8 @@ def write_summary(run_dir: Path) -> str:
     summary["noise_floor"] = noise[-1].model_dump() if noise else None
     summary["resumed"] = [{"at_record": r.seq + 1, **r.event.model_dump()} for r in records
                           if isinstance(r.event, Resumed)]
+    summary["incumbent_restarts"] = [{"at_record": r.seq + 1, **r.event.model_dump()} for r in records
+                                     if r.event.kind == "incumbent_restarted"]
     if any(r.event.kind == "llm_call" for r in records):
         from agent.proposers.funnel import llm_funnel
 

@@ -88,7 +88,7 @@ async def complete(client: httpx.AsyncClient, prompt: list[int], max_tokens: int
 
 
 async def complete_all(server, prompts: list[list[int]], max_tokens: int, concurrency: int | None,
-                       timeout_s: float) -> list[Completion]:
+                       timeout_s: float, stall_s: float | None = None) -> list[Completion]:
     """All prompts, in order, by at most `concurrency` lanes (None: all at once, 1: one at a time).
 
     Each lane has a client (and connection) of its own: one shared httpx pool costs time per chunk
@@ -97,7 +97,8 @@ async def complete_all(server, prompts: list[list[int]], max_tokens: int, concur
     queue = iter(range(len(prompts)))
 
     async def lane() -> None:
-        async with server.client(timeout_s) as client:
+        timeout = httpx.Timeout(timeout_s, read=min(stall_s, timeout_s)) if stall_s else timeout_s
+        async with server.client(timeout) as client:
             for index in queue:
                 results[index] = await complete(client, prompts[index], max_tokens)
 

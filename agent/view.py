@@ -14,7 +14,9 @@ from agent.task import Task
 STAGE_AFTER = {"run_started": "starting baseline servers", "self_parity": "self-parity checked",
                "proposal": "applying", "patch_applied": "building", "build": "starting server + parity",
                "parity": "benchmarking", "sample": "benchmarking", "benchmark": "deciding", "decision": "decided",
-               "commit": "committed", "noise_floor": "noise floor measured", "resumed": "resumed: restarting the baseline servers",
+               "commit": "committed", "noise_floor": "noise floor measured",
+               "incumbent_restarted": "benchmarking again (the incumbent's server failed and was replaced)",
+               "resumed": "resumed: restarting the baseline servers",
                "llm_call": "asking the LLM", "proposal_invalid": "proposal invalid", "run_finished": "finished",
                "remeasured": "measuring again against the new head"}
 

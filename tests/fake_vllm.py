@@ -19,6 +19,9 @@ patch can turn it into a faster, cheating or nondeterministic candidate:
 Any mode may set `production_start_s` and `parity_start_s`: a server started without VLLM_BATCH_INVARIANT=1
 (a production server, where parity runs on dedicated batch-invariant ones), or with it, takes that long to
 become healthy, as a compile would; `production_crash`: a production server exits at startup after its wait.
+FAKE_FREEZE=NAME:N[,NAME:N...] in the environment: the server named NAME (its home folder's name) freezes
+mid-stream once it has begun N+1 streamed completions, and never sends another byte (it still answers /health),
+as a wedged engine does.
 """
 import hashlib
 import json
@@ -42,8 +45,11 @@ time.sleep(config.get("parity_start_s" if watched else "production_start_s", 0))
 if config.get("production_crash") and not watched:
     sys.exit("fake_vllm: the production server crashes at startup as configured")
 import_log.write_text("".join(f"{p.relative_to(tree)}\n" for p in [tree / "vllm" / "__init__.py", *mode_files]))
-in_flight = served = 0
+in_flight = served = streamed = 0
+frozen = False
 lock = threading.Lock()
+name = Path(os.environ.get("NIGHTSHIFT_SERVER_HOME", "")).name
+freeze_after = {k: int(v) for k, _, v in (e.partition(":") for e in os.environ.get("FAKE_FREEZE", "").split(",") if e)}.get(name)
 
 
 def top1(prefix: list[int]) -> int:
@@ -93,8 +99,12 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
 
     def do_POST(self):
-        global in_flight, served
+        global in_flight, served, streamed, frozen
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if body.get("stream") and freeze_after is not None:
+            with lock:
+                streamed += 1
+                frozen = frozen or streamed > freeze_after
         if config["mode"] == "hang":
             time.sleep(3600)
         with lock:
@@ -115,8 +125,10 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Connection", "close")
             self.end_headers()
-            for _, token in generate(body["prompt"], count, crowded):
+            for step, (_, token) in enumerate(generate(body["prompt"], count, crowded)):
                 time.sleep(delay_s)
+                if frozen and step == count // 2:
+                    time.sleep(3600)
                 chunk = {"choices": [{"index": 0, "text": "", "token_ids": [token]}]}
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 self.wfile.flush()

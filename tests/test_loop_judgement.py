@@ -3,6 +3,7 @@
 No vLLM or torch is needed: the checkout is a real git repo of a pure-Python stand-in, and the servers
 are tests/fake_vllm.py processes (a causal stand-in model on loopback)."""
 import json
+import time
 from pathlib import Path
 
 import git
@@ -385,3 +386,48 @@ def test_a_win_must_repeat_in_an_independent_confirmation(run):
     assert finished.kept == 1 and audit(setup.run_dir).commits == 1
     confirming = [e for e in records if e.kind == "sample" and e.confirmation == 1]
     assert len(confirming) == 20 and {e.candidate for e in confirming} == {1, 2}
+
+
+def test_an_incumbent_that_freezes_mid_benchmark_is_replaced_and_the_candidate_measured_again(run, monkeypatch):
+    """Seen on the H200: the incumbent's production server stopped sending tokens in the middle of a pass, with
+    256 requests in flight. Its stream goes silent past benchmark.stall_timeout_s; the candidate is not blamed:
+    the incumbent is replaced and the candidate benchmarked again, and the failed attempt leaves no record."""
+    monkeypatch.setenv("FAKE_FREEZE", "baseline-2:28")  # 4 parity + 10 calibration + 2 warm-up + 8 + 4 requests
+    setup, loop = run({"1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster")},
+                      benchmark={"warmup_requests": 2, "repetitions": 5, "request_timeout_s": 60,
+                                 "stall_timeout_s": 2, "max_client_busy": 1.0})
+    finished = loop.run()
+    records = [r.event for r in read_trace(setup.run_dir / "trace.jsonl")]
+    (restart,) = [e for e in records if e.kind == "incumbent_restarted"]
+    assert (restart.candidate, restart.failed_server, restart.server) == (1, "baseline-2", "incumbent-r1")
+    assert "the incumbent's server baseline-2 failed in repetition 1" in restart.reason
+    assert "ReadTimeout" in restart.reason and restart.seconds > 0
+    report = next(e for e in records if e.kind == "benchmark" and e.confirmation == 0)
+    assert sorted((s.role, s.repetition) for s in report.samples) == sorted(
+        (role, k) for role in ("incumbent", "candidate") for k in range(5))
+    decision = decisions(setup)[1]
+    assert (decision.verdict, decision.stage) == ("keep", "decision"), decision.reason
+    assert finished.kept == 1 and audit(setup.run_dir).commits == 1
+    write_summary(setup.run_dir)
+    restarts = json.loads((setup.run_dir / "summary.json").read_text())["incumbent_restarts"]
+    assert [r["failed_server"] for r in restarts] == ["baseline-2"]
+    assert loop.pool.running == [] and stopped_once(loop)
+
+
+def test_a_candidate_that_freezes_mid_benchmark_crashes_there_and_the_run_goes_on(run, monkeypatch):
+    monkeypatch.setenv("FAKE_FREEZE", "candidate-1:10")  # 4 parity + 2 warm-up + 4 of its first pass
+    setup, loop = run({
+        "1-wedges.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "fast, then wedged"),
+        "2-fast.patch": new_file_patch("vllm/fake_mode_2.json", mode("exact", 0.0025), "faster"),
+    }, benchmark={"warmup_requests": 2, "repetitions": 5, "request_timeout_s": 60, "stall_timeout_s": 2,
+                  "max_client_busy": 1.0})
+    began = time.monotonic()
+    finished = loop.run()
+    got = decisions(setup)
+    assert (got[1].verdict, got[1].stage) == ("crash", "benchmark"), got[1].reason
+    assert "the candidate's server candidate-1 failed in repetition 0" in got[1].reason
+    assert (got[2].verdict, got[2].stage) == ("keep", "decision"), got[2].reason
+    kinds = [r.event.kind for r in read_trace(setup.run_dir / "trace.jsonl")]
+    assert "incumbent_restarted" not in kinds and finished.kept == 1
+    assert time.monotonic() - began < 50  # the wedged candidate cost its stall timeout, not the 60 s request timeout
+    assert loop.pool.running == [] and stopped_once(loop)

@@ -360,6 +360,20 @@ class Remeasured(Event):
     reason: str
 
 
+class IncumbentRestarted(Event):
+    """The incumbent's server failed during a candidate's benchmark (an error, a dead process, or a stream silent
+    for benchmark.stall_timeout_s). A fresh server of the same tree and flags replaces it, and the candidate is
+    benchmarked again on fresh prompts; the failed attempt left no benchmark record."""
+    kind: Literal["incumbent_restarted"] = "incumbent_restarted"
+    candidate: int
+    confirmation: int = 0
+    failed_server: str
+    server: str
+    reason: str
+    seconds: float
+    """The replacement's start, until it answered."""
+
+
 class RunFinished(Event):
     kind: Literal["run_finished"] = "run_finished"
     reason: str
@@ -377,7 +391,7 @@ AnyEvent = Annotated[
     Union[
         RunStarted, SelfParity, Proposal, PatchApplied, Build, ParityReport, SampleTaken, BenchReport, TokenAudit,
         Decision,
-        Commit, LlmCall, ProposalInvalid, NoiseFloor, Resumed, Remeasured, RunFinished,
+        Commit, LlmCall, ProposalInvalid, NoiseFloor, Resumed, Remeasured, IncumbentRestarted, RunFinished,
     ],
     Field(discriminator="kind"),
 ]
