@@ -67,6 +67,7 @@ class GpuMonitor:
 
     def __enter__(self) -> GpuMonitor:
         if self.nvml is not None:
+            self._skip_buffered()
             self.read()
             self._thread = threading.Thread(target=self._loop, daemon=True)
             self._thread.start()
@@ -97,6 +98,18 @@ class GpuMonitor:
                 continue
             if self.own is not None:
                 self._neighbours(h)
+
+    def _skip_buffered(self) -> None:
+        """NVML's buffer also holds samples from before the pass (the other server's pass that just ended):
+        only samples stamped after the newest one now count."""
+        if self.own is None:
+            return
+        for index in self.gpus:
+            try:
+                samples = self.nvml.nvmlDeviceGetProcessUtilization(self.nvml.nvmlDeviceGetHandleByIndex(index), 0)
+            except Exception:
+                continue
+            self._seen = max([self._seen, *(s.timeStamp for s in samples)])
 
     def _neighbours(self, handle) -> None:
         try:

@@ -10,8 +10,9 @@ from agent.gpu_state import GpuMonitor, flags, load_nvml, process_tree
 class FakeNvml:
     """NVML's calls as nvidia-ml-py spells them, for one GPU that starts to throttle (hw thermal) midway."""
 
-    def __init__(self, neighbour_util: int = 0):
+    def __init__(self, neighbour_util: int = 0, earlier_util: int = 0):
         self.calls, self.neighbour_util = 0, neighbour_util
+        self.buffer = [(int(time.time() * 1e6) - 500_000, earlier_util)]  # NVML keeps recent samples (µs stamps)
 
     def nvmlDeviceGetHandleByIndex(self, index):
         self.calls += 1
@@ -33,7 +34,10 @@ class FakeNvml:
         return SimpleNamespace(gpu=90, memory=40)
 
     def nvmlDeviceGetProcessUtilization(self, handle, since):
-        return [SimpleNamespace(pid=os.getpid() + 10**6, smUtil=self.neighbour_util, timeStamp=since + 1)]
+        """The buffered samples stamped after `since` (as NVML does), one new one per call."""
+        self.buffer.append((int(time.time() * 1e6), self.neighbour_util))
+        return [SimpleNamespace(pid=os.getpid() + 10**6, smUtil=util, timeStamp=at) for at, util in self.buffer
+                if at > since]
 
 
 def test_a_throttling_gpu_with_a_busy_neighbour_is_recorded_and_flagged():
@@ -45,6 +49,16 @@ def test_a_throttling_gpu_with_a_busy_neighbour_is_recorded_and_flagged():
     assert state.temperature_c_max > 60 and state.power_w_mean == 400.0 and state.utilization_mean == 90.0
     assert state.throttle_reasons == ["hw_thermal"] and state.neighbour_utilization_max == 35.0
     assert flags(state) == ["throttled: hw_thermal", "neighbour busy: another process used up to 35% of the SMs"]
+
+
+def test_a_neighbour_busy_only_before_the_pass_is_not_counted():
+    """On the H200 every pass right after the other server's pass was flagged with that server at 31-60% of the
+    SMs: NVML returned its buffered samples from before the pass began."""
+    nvml = FakeNvml(neighbour_util=2, earlier_util=60)
+    with GpuMonitor([0], own_pids={os.getpid()}, interval_s=0.01, nvml=nvml) as monitor:
+        time.sleep(0.05)
+    assert monitor.summary().neighbour_utilization_max == 2.0
+    assert not [f for f in flags(monitor.summary()) if f.startswith("neighbour")]
 
 
 def test_a_quiet_gpu_is_not_flagged_and_unknown_server_processes_skip_the_neighbour_check():
