@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 from traces.schema import GpuPass
@@ -14,6 +15,9 @@ THROTTLES = {0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: 
 """NVML clock-event reasons that slow a busy GPU down (idle, application clocks and sync boost are not)."""
 NEIGHBOUR_BUSY = 10.0
 """SM utilisation (%) of another process on the GPU above which a pass is flagged."""
+NEIGHBOUR_GRACE_S = 1.5
+"""A process's first samples in a pass still average over the time before it (on the H200 a neighbour idle
+through the pass, busy until it began, read 42% then): they are not counted."""
 
 
 def load_nvml():
@@ -55,7 +59,8 @@ def server_pids(server) -> set[int] | None:
 class GpuMonitor:
     """Samples the GPUs every `interval_s` while the pass runs (a context manager)."""
 
-    def __init__(self, gpus: list[int], own_pids: set[int] | None = None, interval_s: float = 0.25, nvml=None):
+    def __init__(self, gpus: list[int], own_pids: set[int] | None = None, interval_s: float = 0.25, nvml=None,
+                 grace_s: float = NEIGHBOUR_GRACE_S):
         self.gpus, self.own = list(gpus), own_pids
         self.interval_s = interval_s
         self.nvml = (nvml if nvml is not None else load_nvml()) if gpus else None
@@ -64,8 +69,10 @@ class GpuMonitor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._seen = 0
+        self.grace_s, self._began = grace_s, 0.0
 
     def __enter__(self) -> GpuMonitor:
+        self._began = time.monotonic()
         if self.nvml is not None:
             self._skip_buffered()
             self.read()
@@ -116,9 +123,10 @@ class GpuMonitor:
             samples = self.nvml.nvmlDeviceGetProcessUtilization(handle, self._seen)
         except Exception:  # NVML answers "not found" when no process sampled since `_seen`
             return
+        early = time.monotonic() - self._began < self.grace_s
         for s in samples:
             self._seen = max(self._seen, s.timeStamp)
-            if s.pid not in self.own and s.pid != os.getpid():
+            if not early and s.pid not in self.own and s.pid != os.getpid():
                 self.neighbour = max(self.neighbour or 0.0, float(s.smUtil))
 
     def summary(self) -> GpuPass | None:

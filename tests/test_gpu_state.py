@@ -41,7 +41,8 @@ class FakeNvml:
 
 
 def test_a_throttling_gpu_with_a_busy_neighbour_is_recorded_and_flagged():
-    with GpuMonitor([0], own_pids={os.getpid()}, interval_s=0.01, nvml=FakeNvml(neighbour_util=35)) as monitor:
+    with GpuMonitor([0], own_pids={os.getpid()}, interval_s=0.01, nvml=FakeNvml(neighbour_util=35),
+                    grace_s=0) as monitor:
         time.sleep(0.1)
     state = monitor.summary()
     assert state.gpus == [0] and state.readings >= 3
@@ -55,10 +56,21 @@ def test_a_neighbour_busy_only_before_the_pass_is_not_counted():
     """On the H200 every pass right after the other server's pass was flagged with that server at 31-60% of the
     SMs: NVML returned its buffered samples from before the pass began."""
     nvml = FakeNvml(neighbour_util=2, earlier_util=60)
-    with GpuMonitor([0], own_pids={os.getpid()}, interval_s=0.01, nvml=nvml) as monitor:
+    with GpuMonitor([0], own_pids={os.getpid()}, interval_s=0.01, nvml=nvml, grace_s=0) as monitor:
         time.sleep(0.05)
     assert monitor.summary().neighbour_utilization_max == 2.0
     assert not [f for f in flags(monitor.summary()) if f.startswith("neighbour")]
+
+
+def test_a_neighbours_first_samples_in_a_pass_are_not_counted():
+    """A sample still averages over time before the pass: on the H200 a neighbour idle through a pass, busy
+    until it began, read 42-71% in the pass's first second (gpu/nvml_neighbour_probe.py)."""
+    nvml = FakeNvml(neighbour_util=70)
+    with GpuMonitor([0], own_pids={os.getpid()}, interval_s=0.01, nvml=nvml, grace_s=0.1) as monitor:
+        time.sleep(0.05)
+        nvml.neighbour_util = 3
+        time.sleep(0.15)
+    assert monitor.summary().neighbour_utilization_max == 3.0
 
 
 def test_a_quiet_gpu_is_not_flagged_and_unknown_server_processes_skip_the_neighbour_check():
