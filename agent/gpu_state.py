@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from pathlib import Path
 
+from sandbox.host import process_tree
 from traces.schema import GpuPass
 
 CLOCK_SM, CLOCK_MEM, TEMPERATURE_GPU = 1, 2, 0
@@ -29,25 +29,6 @@ def load_nvml():
         return pynvml if pynvml.nvmlDeviceGetCount() > 0 else None
     except Exception:
         return None
-
-
-def process_tree(pid: int | None) -> set[int]:
-    """pid and its descendants, from /proc (empty where pid is None or /proc is absent)."""
-    if pid is None:
-        return set()
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    tree, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        tree.add(p)
-        todo += children.get(p, [])
-    return tree
 
 
 def server_pids(server) -> set[int] | None:

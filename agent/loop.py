@@ -31,6 +31,7 @@ from agent.trial import Trial
 from agent.workspace import ApplyError, serve_args_at
 from sandbox import make_sandbox
 from sandbox.base import Sandbox, SandboxError, Server
+from sandbox.host import describe_snapshot, server_snapshot
 from traces.errors import NightshiftError
 from traces.schema import (AnyEvent, BenchReport, Commit, Decision, PatchApplied, Proposal, RunFinished, SampleTaken,
                            IncumbentRestarted, SelfParity, Stage, TokenAudit)
@@ -305,7 +306,7 @@ class Loop:
             raise Rejected("benchmark", str(exc)) from None
         except bench.PassFailed as exc:
             if exc.role == "candidate":
-                raise Rejected("benchmark", str(exc), "crash") from None
+                raise Rejected("benchmark", f"{exc}; {describe_snapshot(server_snapshot(server))}", "crash") from None
             self.restart_incumbent(n, confirmation, exc)
             if again:  # the incumbent failed twice while this candidate ran beside it
                 raise Rejected("benchmark", f"{exc} (the second time beside this candidate)", "crash") from None
@@ -333,6 +334,7 @@ class Loop:
         if self.restarts >= MAX_INCUMBENT_RESTARTS:
             raise IncumbentFailed(f"{failure}; the incumbent's server already failed {self.restarts} times in this run")
         self.restarts += 1
+        post_mortem = server_snapshot(old.server)
         self.pool.release(old.server)
         began = time.monotonic()
         try:
@@ -341,7 +343,8 @@ class Loop:
             raise IncumbentFailed(f"{failure}; its replacement failed to start: {exc}") from None
         self.incumbent = Incumbent(server, old.args, old.tree)
         self.emit(IncumbentRestarted(candidate=n, confirmation=confirmation, failed_server=failure.server,
-                                     server=server.name, reason=str(failure), seconds=round(time.monotonic() - began, 2)))
+                                     server=server.name, reason=f"{failure}; {describe_snapshot(post_mortem)}",
+                                     seconds=round(time.monotonic() - began, 2), post_mortem=post_mortem))
 
     def audit(self, n: int, outputs, confirmation: int = 0, calibration: bool = False) -> TokenAudit:
         a = self.task.audit

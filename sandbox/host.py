@@ -7,6 +7,81 @@ import stat
 from pathlib import Path
 
 
+def process_tree(pid: int | None) -> set[int]:
+    """pid and its descendants, from /proc (empty where pid is None or /proc is absent)."""
+    if pid is None:
+        return set()
+    children: dict[int, list[int]] = {}
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat_file.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    tree, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        tree.add(p)
+        todo += children.get(p, [])
+    return tree
+
+
+def _status(pid: int) -> dict:
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("Name", "State", "Threads", "VmRSS"):
+            fields[key.lower()] = value.strip()
+    try:
+        fields["wchan"] = Path(f"/proc/{pid}/wchan").read_text().strip() or "0"
+    except OSError:
+        pass
+    return fields
+
+
+def snapshot(pid: int | None, scratch: str | None = None) -> dict:
+    """What a server's processes are doing, from /proc, for the record of one that stopped answering: each
+    process's state, threads, resident memory and where it waits; with `scratch`, how full that folder is
+    as the server's processes see it (through /proc/<pid>/root)."""
+    processes = []
+    for p in sorted(process_tree(pid)):
+        try:
+            processes.append({"pid": p, **_status(p)})
+        except OSError:
+            continue
+    out: dict = {"processes": processes, "threads": sum(int(x.get("threads", 0)) for x in processes)}
+    if scratch and pid is not None:
+        for p in [x["pid"] for x in processes][::-1]:
+            try:
+                fs = os.statvfs(f"/proc/{p}/root{scratch}")
+            except OSError:
+                continue
+            out["scratch"] = {"path": scratch, "used_mb": round((fs.f_blocks - fs.f_bfree) * fs.f_frsize / 2**20, 1),
+                              "size_mb": round(fs.f_blocks * fs.f_frsize / 2**20, 1)}
+            break
+    return out
+
+
+def server_snapshot(server) -> dict:
+    """`snapshot` of a server's process tree where the harness sees it (a local or namespace server)."""
+    process = getattr(server, "process", None)
+    return snapshot(getattr(process, "pid", None), getattr(server, "scratch", None))
+
+
+def describe_snapshot(snap: dict) -> str:
+    states: dict[str, int] = {}
+    for p in snap.get("processes", []):
+        key = f"{p.get('state', '?').split()[0]}:{p.get('wchan', '?')}"
+        states[key] = states.get(key, 0) + 1
+    n = len(snap.get("processes", []))
+    text = f"{n} process{'es' if n != 1 else ''}, {snap.get('threads', 0)} threads"
+    if states:
+        text += " (state:wait " + ", ".join(f"{k} x{n}" for k, n in sorted(states.items(), key=lambda kv: -kv[1])[:4]) + ")"
+    if "scratch" in snap:
+        text += f", scratch {snap['scratch']['used_mb']:.0f} of {snap['scratch']['size_mb']:.0f} MB used"
+    return text
+
+
 def process_identity(pid: int) -> str:
     """host:pid:start-time, which a reused pid does not share."""
     return f"{socket.gethostname()}:{pid}:{start_time(pid)}"

@@ -166,6 +166,9 @@ def classify(returncode: int | None, logs: str, oom_kills: int, limits: str) -> 
 
 
 class NamespaceServer(Reachable):
+    scratch = SCRATCH
+    """The capped tmpfs its processes see at this path (a post-mortem reports how full it was)."""
+
     def __init__(self, spec: ServerSpec, process: subprocess.Popen, folder: Path, log_path: Path,
                  cgroup: cgroups.Cgroup | None, watch: int, isolation: dict):
         self.name, self.spec, self.process, self.folder = spec.name, spec, process, folder

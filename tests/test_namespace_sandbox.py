@@ -140,6 +140,23 @@ def test_benign_candidate_is_contained_and_records_imports(tmp_path, run_dir, na
     assert not Path(f"/proc/{init}").exists() or "State:\tZ" in Path(f"/proc/{init}/status").read_text()
 
 
+def test_a_post_mortem_sees_the_servers_processes_and_its_scratch(tmp_path, run_dir):
+    """What the harness records of a server that stopped answering, before it stops it: its processes as
+    /proc shows them from outside, and how full its capped scratch tmpfs is as they see it."""
+    from sandbox.host import describe_snapshot, server_snapshot
+
+    sandbox = NamespaceSandbox(config(tmpfs_mb=64), run_dir)
+    server = sandbox.start(hostile(tmp_path, "benign"))
+    try:
+        snap = server_snapshot(server)
+        assert {server.init_pid()} < {p["pid"] for p in snap["processes"]} and snap["threads"] >= 2
+        assert snap["scratch"]["path"] == "/tmp" and 60 <= snap["scratch"]["size_mb"] <= 64
+        assert "threads" in describe_snapshot(snap) and "of 64 MB used" in describe_snapshot(snap)
+    finally:
+        assert server.stop() == "ok"
+    assert server_snapshot(server)["processes"] == []
+
+
 def sandbox_python_roots():
     from sandbox.namespace import python_roots
 

@@ -372,6 +372,8 @@ class IncumbentRestarted(Event):
     reason: str
     seconds: float
     """The replacement's start, until it answered."""
+    post_mortem: dict = Field(default_factory=dict)
+    """The failed server's processes just before it was stopped (sandbox/host.py snapshot)."""
 
 
 class RunFinished(Event):
