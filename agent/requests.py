@@ -63,7 +63,7 @@ async def first_choice(client: httpx.AsyncClient, body: dict) -> dict:
 
 
 async def complete(client: httpx.AsyncClient, prompt: list[int], max_tokens: int,
-                   model: str = "model") -> Completion:
+                   model: str = "model", progress: list[float] | None = None) -> Completion:
     """One streamed greedy completion; token ids come from the stream, the clock is ours."""
     result = Completion(sent=time.perf_counter())
     body = completion_body(prompt, max_tokens, stream=True, model=model)
@@ -79,6 +79,8 @@ async def complete(client: httpx.AsyncClient, prompt: list[int], max_tokens: int
                 ids = choice.get("token_ids") or []
                 if ids:
                     now = time.perf_counter()
+                    if progress is not None:
+                        progress[0] = now
                     if result.first_token is None:
                         result.first_token = now
                     result.tokens.extend(int(t) for t in ids)
@@ -87,26 +89,46 @@ async def complete(client: httpx.AsyncClient, prompt: list[int], max_tokens: int
     return result
 
 
+async def _watch(progress: list[float], stall_s: float, lanes: int) -> None:
+    """Raises once no token has arrived for `stall_s`; runs until cancelled otherwise."""
+    while True:
+        silent = time.perf_counter() - progress[0]
+        if silent > stall_s:
+            raise RequestError(f"stalled: no token arrived on any of {lanes} streams for {silent:.0f} s "
+                               f"(benchmark.stall_timeout_s {stall_s:g})")
+        await asyncio.sleep(min(1.0, stall_s / 4))
+
+
 async def complete_all(server, prompts: list[list[int]], max_tokens: int, concurrency: int | None,
                        timeout_s: float, stall_s: float | None = None) -> list[Completion]:
     """All prompts, in order, by at most `concurrency` lanes (None: all at once, 1: one at a time).
 
     Each lane has a client (and connection) of its own: one shared httpx pool costs time per chunk
-    that grows with the number of connections, which caps what the harness can measure."""
+    that grows with the number of connections, which caps what the harness can measure. With `stall_s`,
+    the whole call fails (RequestError) once no token has arrived on any lane for that long: a queued
+    request may wait longer than that for its first token, as long as the others move."""
     results: list[Completion | None] = [None] * len(prompts)
     queue = iter(range(len(prompts)))
+    progress = [time.perf_counter()]
 
     async def lane() -> None:
-        timeout = httpx.Timeout(timeout_s, read=min(stall_s, timeout_s)) if stall_s else timeout_s
-        async with server.client(timeout) as client:
+        async with server.client(timeout_s) as client:
             for index in queue:
-                results[index] = await complete(client, prompts[index], max_tokens)
+                results[index] = await complete(client, prompts[index], max_tokens, progress=progress)
+                progress[0] = time.perf_counter()
 
     lanes = min(concurrency or len(prompts), len(prompts))
     tasks = [asyncio.create_task(lane()) for _ in range(lanes)]
+    work = asyncio.gather(*tasks)
     try:
-        await asyncio.gather(*tasks)
+        if stall_s:  # the watch must not outlive the work: a pass's clock stops when its last token is in
+            tasks.append(asyncio.create_task(_watch(progress, stall_s, lanes)))
+            await asyncio.wait([work, tasks[-1]], return_when=asyncio.FIRST_COMPLETED)
+            if tasks[-1].done():
+                tasks[-1].result()
+        await work
     finally:
+        work.cancel()
         for task in tasks:
             task.cancel()
     return results

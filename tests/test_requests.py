@@ -88,3 +88,63 @@ def test_the_completion_body_is_greedy_and_extra_fields_come_last():
                                           "ignore_eos": True, "return_token_ids": True, "stream": False, "seed": 0}
     body = completion_body([5], 1, stream=True, prompt_logprobs=1, seed=7)
     assert body["stream"] is True and body["prompt_logprobs"] == 1 and body["seed"] == 7
+
+
+class QueueingServer:
+    """Streams `tokens` tokens `gap_s` apart to at most `slots` requests at a time; the others wait without a
+    byte (as vLLM queues requests beyond max_num_seqs). `frozen`: every stream stops after its first token."""
+
+    def __init__(self, slots: int, tokens: int = 4, gap_s: float = 0.2, frozen: bool = False):
+        self.slots, self.tokens, self.gap_s, self.frozen = asyncio.Semaphore(slots), tokens, gap_s, frozen
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length"))
+            await reader.readexactly(length)
+            async with self.slots:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
+                for i in range(self.tokens):
+                    await asyncio.sleep(self.gap_s)
+                    writer.write(f'data: {json.dumps({"choices": [{"token_ids": [5 + i]}]})}\n\n'.encode())
+                    await writer.drain()
+                    if self.frozen:
+                        await asyncio.sleep(3600)
+                writer.write(b"data: [DONE]\n\n")
+                await writer.drain()
+            writer.close()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+
+def run_against(handler, prompts: int, stall_s: float):
+    async def main():
+        server = await asyncio.start_server(handler.handle, "127.0.0.1", 0, backlog=64)
+        target = Endpoint(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        async with server:
+            began = asyncio.get_running_loop().time()
+            try:
+                return await complete_all(target, [[5, 6]] * prompts, 4, None, 30, stall_s), None, \
+                    asyncio.get_running_loop().time() - began
+            except RequestError as exc:
+                return None, exc, asyncio.get_running_loop().time() - began
+    return asyncio.run(main())
+
+
+def test_a_request_queued_longer_than_the_stall_timeout_is_not_a_stall_while_others_stream():
+    done, error, seconds = run_against(QueueingServer(slots=2, gap_s=0.2), prompts=8, stall_s=0.6)
+    assert error is None and [c.tokens for c in done] == [[5, 6, 7, 8]] * 8
+    assert max(c.ttft_ms for c in done) > 600  # the last ones waited past stall_s for their first token
+
+
+def test_a_server_that_stops_streaming_fails_the_call_at_the_stall_timeout():
+    done, error, seconds = run_against(QueueingServer(slots=8, gap_s=0.05, frozen=True), prompts=8, stall_s=0.6)
+    assert done is None and "stalled: no token arrived on any of 8 streams" in str(error)
+    assert 0.6 < seconds < 5
+
+
+def test_the_stall_watch_does_not_hold_the_call_past_its_last_token():
+    """The watch sleeps between its looks; the call must return when the work is done, not when it wakes."""
+    done, error, seconds = run_against(QueueingServer(slots=8, gap_s=0.05), prompts=8, stall_s=20)
+    assert error is None and len(done) == 8 and seconds < 0.9
