@@ -32,7 +32,7 @@ class HarnessBound(RuntimeError):
 
 
 class PassFailed(RequestError):
-    """A timed pass's server failed to answer (an error, a dead process, or a stream silent for
+    """A timed pass's server failed to answer (an error, a dead process, or no token on any stream for
     benchmark.stall_timeout_s): which side it was, so that a hung incumbent is not blamed on the candidate."""
 
     def __init__(self, role: str, server: str, repetition: int, cause: BaseException):

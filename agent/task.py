@@ -100,8 +100,8 @@ class Benchmark(Strict):
     """Also require the benchmark's tokens to equal the incumbent's (only if batching is invariant)."""
     request_timeout_s: float = Field(300, gt=0)
     stall_timeout_s: float = Field(120, gt=0)
-    """A benchmark request whose stream brings nothing for this long fails its pass, naming the server that
-    stalled: a hung incumbent is restarted and the candidate measured again, a hung candidate crashes."""
+    """A pass in which no token arrives on any stream for this long fails, naming the server that stalled: a
+    hung incumbent is restarted and the candidate measured again, a hung candidate crashes."""
     client_processes: int = Field(1, ge=1)
     """Processes the load client spreads its lanes over (each has its own event loop)."""
     max_client_busy: float = Field(0.75, gt=0, le=1)
