@@ -96,15 +96,21 @@ def pass_size(task: Task, wave_seconds: float | None = None) -> int:
     return w.num_prompts
 
 
+async def answered(load: LoadClient, server: Server, role: str, repetition: int, prompts: list[list[int]],
+                   output_len: int, concurrency: int | None, timeout_s: float, stall_s: float | None):
+    """The load run of one pass (or warm-up, repetition -1); a failure to answer names the side."""
+    try:
+        return await load.run(server.endpoint, prompts, output_len, concurrency, timeout_s, stall_s)
+    except ANSWER_ERRORS as exc:
+        raise PassFailed(role, server.name, repetition, exc) from None
+
+
 async def timed_pass(load: LoadClient, server: Server, role: str, repetition: int, prompts: list[list[int]],
                      output_len: int, concurrency: int | None, timeout_s: float, gpus: list[int] = (),
                      stall_s: float | None = None) -> Pass:
     with gpu_state.GpuMonitor(list(gpus), gpu_state.server_pids(server) if gpus else None) as gpu:
         started = time.perf_counter()
-        try:
-            result = await load.run(server.endpoint, prompts, output_len, concurrency, timeout_s, stall_s)
-        except ANSWER_ERRORS as exc:
-            raise PassFailed(role, server.name, repetition, exc) from None
+        result = await answered(load, server, role, repetition, prompts, output_len, concurrency, timeout_s, stall_s)
         seconds, completions = time.perf_counter() - started, result.completions
     outputs = [c.tokens for c in completions]
     short = [i for i, tokens in enumerate(outputs) if len(tokens) != output_len]
@@ -145,11 +151,8 @@ async def warm_up(load: LoadClient, server: Server, task: Task, vocab_size: int,
         return None
     prompts = draw_prompts(seed, count, w.input_len, vocab_size)
     started = time.perf_counter()
-    try:
-        await load.run(server.endpoint, prompts, w.output_len, w.concurrency, task.benchmark.request_timeout_s,
-                       task.benchmark.stall_timeout_s)
-    except ANSWER_ERRORS as exc:
-        raise PassFailed(role, server.name, -1, exc) from None
+    await answered(load, server, role, -1, prompts, w.output_len, w.concurrency, task.benchmark.request_timeout_s,
+                   task.benchmark.stall_timeout_s)
     return (time.perf_counter() - started) / math.ceil(count / (w.concurrency or count))
 
 

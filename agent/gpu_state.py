@@ -7,7 +7,7 @@ import os
 import threading
 import time
 
-from sandbox.host import process_tree
+from sandbox.host import process_tree, server_pid
 from traces.schema import GpuPass
 
 CLOCK_SM, CLOCK_MEM, TEMPERATURE_GPU = 1, 2, 0
@@ -33,8 +33,8 @@ def load_nvml():
 
 def server_pids(server) -> set[int] | None:
     """The server's processes where the harness sees them (a local process group); None where it does not."""
-    process = getattr(server, "process", None)
-    return process_tree(process.pid) if getattr(process, "pid", None) is not None else None
+    pid = server_pid(server)
+    return process_tree(pid) if pid is not None else None
 
 
 class GpuMonitor:

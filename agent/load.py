@@ -94,7 +94,7 @@ class LoadClient:
     async def run(self, endpoint: Endpoint, prompts: list[list[int]], max_tokens: int, concurrency: int | None,
                   timeout_s: float, stall_s: float | None = None) -> Load:
         """All prompts by at most `concurrency` lanes in all (None: all at once); results in prompt order. A
-        stream silent for `stall_s` fails the run (httpx's read timeout)."""
+        client process in which no token arrives on any lane for `stall_s` fails the run (complete_all)."""
         lanes = min(concurrency or len(prompts), len(prompts))
         if self.pool is None or lanes < 2:
             cpu, started = time.process_time(), time.perf_counter()

@@ -62,10 +62,14 @@ def snapshot(pid: int | None, scratch: str | None = None) -> dict:
     return out
 
 
+def server_pid(server) -> int | None:
+    """The root of a server's processes where the harness sees them (a local or namespace server)."""
+    return getattr(getattr(server, "process", None), "pid", None)
+
+
 def server_snapshot(server) -> dict:
-    """`snapshot` of a server's process tree where the harness sees it (a local or namespace server)."""
-    process = getattr(server, "process", None)
-    return snapshot(getattr(process, "pid", None), getattr(server, "scratch", None))
+    """`snapshot` of a server's process tree."""
+    return snapshot(server_pid(server), getattr(server, "scratch", None))
 
 
 def describe_snapshot(snap: dict) -> str:
@@ -73,10 +77,11 @@ def describe_snapshot(snap: dict) -> str:
     for p in snap.get("processes", []):
         key = f"{p.get('state', '?').split()[0]}:{p.get('wchan', '?')}"
         states[key] = states.get(key, 0) + 1
-    n = len(snap.get("processes", []))
-    text = f"{n} process{'es' if n != 1 else ''}, {snap.get('threads', 0)} threads"
+    count = len(snap.get("processes", []))
+    text = f"{count} process{'es' if count != 1 else ''}, {snap.get('threads', 0)} threads"
     if states:
-        text += " (state:wait " + ", ".join(f"{k} x{n}" for k, n in sorted(states.items(), key=lambda kv: -kv[1])[:4]) + ")"
+        common = sorted(states.items(), key=lambda kv: -kv[1])[:4]
+        text += " (state:wait " + ", ".join(f"{k} x{n}" for k, n in common) + ")"
     if "scratch" in snap:
         text += f", scratch {snap['scratch']['used_mb']:.0f} of {snap['scratch']['size_mb']:.0f} MB used"
     return text

@@ -362,8 +362,8 @@ class Remeasured(Event):
 
 class IncumbentRestarted(Event):
     """The incumbent's server failed during a candidate's benchmark (an error, a dead process, or no token on
-    any stream for benchmark.stall_timeout_s). A fresh server of the same tree and flags replaces it, and the candidate is
-    benchmarked again on fresh prompts; the failed attempt left no benchmark record."""
+    any stream for benchmark.stall_timeout_s). A fresh server of the same tree and flags replaces it, and the
+    candidate is benchmarked again on fresh prompts; the failed attempt left no benchmark record."""
     kind: Literal["incumbent_restarted"] = "incumbent_restarted"
     candidate: int
     confirmation: int = 0
