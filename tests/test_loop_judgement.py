@@ -434,3 +434,22 @@ def test_a_candidate_that_freezes_mid_benchmark_crashes_there_and_the_run_goes_o
     assert "incumbent_restarted" not in kinds and finished.kept == 1
     assert time.monotonic() - began < 50  # the wedged candidate cost its stall timeout, not the 60 s request timeout
     assert loop.pool.running == [] and stopped_once(loop)
+
+
+def test_an_incumbent_that_fails_again_beside_the_same_candidate_crashes_the_candidate(run, monkeypatch):
+    """A candidate that could wedge its neighbour must not earn endless re-measurements: the second failure of
+    the incumbent beside it ends it as a crash, and the run goes on with a replaced incumbent."""
+    monkeypatch.setenv("FAKE_FREEZE", "baseline-2:28,incumbent-r1:6")
+    setup, loop = run({
+        "1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster"),
+        "2-fast.patch": new_file_patch("vllm/fake_mode_2.json", mode("exact", 0.0025), "faster too"),
+    }, benchmark={"warmup_requests": 2, "repetitions": 5, "request_timeout_s": 60, "stall_timeout_s": 2,
+                  "max_client_busy": 1.0})
+    finished = loop.run()
+    records = [r.event for r in read_trace(setup.run_dir / "trace.jsonl")]
+    restarts = [(e.candidate, e.failed_server, e.server) for e in records if e.kind == "incumbent_restarted"]
+    assert restarts == [(1, "baseline-2", "incumbent-r1"), (1, "incumbent-r1", "incumbent-r2")]
+    got = decisions(setup)
+    assert (got[1].verdict, got[1].stage) == ("crash", "benchmark") and "the second time" in got[1].reason
+    assert (got[2].verdict, got[2].stage) == ("keep", "decision"), got[2].reason
+    assert finished.kept == 1 and loop.pool.running == [] and stopped_once(loop)
