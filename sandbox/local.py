@@ -143,10 +143,13 @@ class LocalSandbox:
 
 def record_server(home: Path, pid: int) -> None:
     """What `reap_servers` needs to find a server's process group after its harness died: the group's pid,
-    the harness's pid, and the leader's identity (boot and start time: a pid alone may be reused)."""
-    (home / "pid").write_text(str(pid))
-    (home / "owner").write_text(str(os.getpid()))
-    (home / "identity").write_text(process_identity(pid))
+    the harness's pid, and the leader's identity (boot and start time: a pid alone may be reused). Each file is
+    whole when it appears, and the pid file comes last: a reaper in another process (a parallel run's workers
+    reap while their neighbours start servers) never sees a pid without its owner."""
+    for name, text in (("owner", str(os.getpid())), ("identity", process_identity(pid)), ("pid", str(pid))):
+        part = home / f".{name}.part"
+        part.write_text(text)
+        os.replace(part, home / name)
 
 
 def process_identity(pid: int) -> str:
@@ -185,10 +188,16 @@ def reap_servers(runs_root: Path) -> int:
     reaped = 0
     for pid_file in Path(runs_root).glob("*/servers/*/pid"):
         owner, identity = pid_file.with_name("owner"), pid_file.with_name("identity")
-        if owner.exists() and running(int(owner.read_text() or 0)):
+        try:
+            owner_pid = int(owner.read_text())
+        except (OSError, ValueError):
+            continue  # not a whole record: the marks in the server's environment decide (_reap_unrecorded)
+        if running(owner_pid):
             continue
         try:
             pgid = int(pid_file.read_text())
+        except OSError:
+            continue  # stopped meanwhile
         except ValueError:
             pgid = 0
         if pgid > 0 and _ours(pgid, identity.read_text() if identity.exists() else ""):

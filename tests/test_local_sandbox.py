@@ -12,8 +12,8 @@ import pytest
 from sandbox.base import SandboxError, ServerSpec, serve_argv
 from sandbox.host import OWNER_ENV, marked_processes, running, server_marks, start_time
 from sandbox.host import process_identity as harness_identity
-from sandbox.local import (RECORDER, LocalSandbox, LocalServer, free_port, process_identity, server_env,
-                           wait_healthy)
+from sandbox.local import (RECORDER, LocalSandbox, LocalServer, free_port, process_identity, record_server,
+                           server_env, wait_healthy)
 
 
 def spec(tmp_path, **kw) -> ServerSpec:
@@ -218,3 +218,49 @@ def test_a_server_that_exits_at_start_is_a_crash_with_its_exit_code(tmp_path):
         wait_healthy(server, 30)
     assert caught.value.outcome == "crash"
     assert str(caught.value) == "crash: server exited during startup (exit code 3): ValueError: no such kernel"
+
+
+def test_a_pid_file_whose_owner_is_not_yet_recorded_is_left_alone(tmp_path):
+    """A parallel run's workers reap while their neighbours start servers: a reaper that finds a server's pid
+    file before its owner file (the recording half done) must not kill it; the marks decide (owner alive)."""
+    server_dir = tmp_path / "run" / "servers" / "c1"
+    server_dir.mkdir(parents=True)
+    server = sleeper(server_marks(server_dir))
+    (server_dir / "pid").write_text(str(server.pid))
+    try:
+        assert LocalSandbox(None, tmp_path / "other-run").reap() == 0
+        time.sleep(0.2)
+        assert server.poll() is None
+    finally:
+        server.kill()
+
+
+REAPER = """
+import sys
+from pathlib import Path
+from sandbox.local import reap_servers
+while True:
+    reap_servers(Path(sys.argv[1]))
+"""
+
+
+def test_servers_recorded_while_a_neighbour_reaps_are_never_killed(tmp_path):
+    """The race CI met: one worker records its servers while another worker's pool reaps the run's folder."""
+    runs = tmp_path / "workers"
+    server = sleeper()
+    reaper = subprocess.Popen([sys.executable, "-c", REAPER, str(runs)], cwd=Path(__file__).parent.parent,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    try:
+        time.sleep(1.5)  # the reaper is looping
+        deadline = time.time() + 6
+        for i in range(1500):
+            if reaper.poll() is not None or server.poll() is not None or time.time() > deadline:
+                break
+            home = runs / f"w{i % 4}" / "servers" / f"s{i}"
+            home.mkdir(parents=True)
+            record_server(home, server.pid)
+        assert server.poll() is None, f"killed after {i} records"
+        assert reaper.poll() is None, "the reaper died"
+    finally:
+        server.kill()
+        reaper.kill()
