@@ -120,6 +120,7 @@ async def complete_all(server, prompts: list[list[int]], max_tokens: int, concur
     lanes = min(concurrency or len(prompts), len(prompts))
     tasks = [asyncio.create_task(lane()) for _ in range(lanes)]
     work = asyncio.gather(*tasks)
+    work.add_done_callback(_retrieved)
     try:
         if stall_s:  # the watch must not outlive the work: a pass's clock stops when its last token is in
             tasks.append(asyncio.create_task(_watch(progress, stall_s, lanes)))
@@ -131,4 +132,14 @@ async def complete_all(server, prompts: list[list[int]], max_tokens: int, concur
         work.cancel()
         for task in tasks:
             task.cancel()
+        if tasks:  # the lanes close their connections before the call returns
+            await asyncio.wait(tasks, timeout=5)
     return results
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """Marks a failed or called-off gather's exception as seen. Unseen, it is logged with its traceback when the
+    future is collected, at any point of the harness's thread; on Python 3.11 formatting that traceback inside
+    another compile() fails it ("AST constructor recursion depth mismatch")."""
+    if not future.cancelled():
+        future.exception()

@@ -388,14 +388,24 @@ def test_a_win_must_repeat_in_an_independent_confirmation(run):
     assert len(confirming) == 20 and {e.candidate for e in confirming} == {1, 2}
 
 
+WEDGE_BENCHMARK = {"warmup_requests": 2, "repetitions": 5, "request_timeout_s": 60, "stall_timeout_s": 2,
+                   "max_client_busy": 1.0}
+"""A stream silent for 2 s fails its pass (tests/fake_vllm.py's FAKE_FREEZE stops a server after N requests)."""
+
+
+def two_fast(first: str) -> dict:
+    """Two exact candidates, both faster than the baseline."""
+    return {"1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), first),
+            "2-fast.patch": new_file_patch("vllm/fake_mode_2.json", mode("exact", 0.0025), "faster too")}
+
+
 def test_an_incumbent_that_freezes_mid_benchmark_is_replaced_and_the_candidate_measured_again(run, monkeypatch):
     """Seen on the H200: the incumbent's production server stopped sending tokens in the middle of a pass, with
     256 requests in flight. Its stream goes silent past benchmark.stall_timeout_s; the candidate is not blamed:
     the incumbent is replaced and the candidate benchmarked again, and the failed attempt leaves no record."""
     monkeypatch.setenv("FAKE_FREEZE", "baseline-2:28")  # 4 parity + 10 calibration + 2 warm-up + 8 + 4 requests
     setup, loop = run({"1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster")},
-                      benchmark={"warmup_requests": 2, "repetitions": 5, "request_timeout_s": 60,
-                                 "stall_timeout_s": 2, "max_client_busy": 1.0})
+                      benchmark=WEDGE_BENCHMARK)
     finished = loop.run()
     records = [r.event for r in read_trace(setup.run_dir / "trace.jsonl")]
     (restart,) = [e for e in records if e.kind == "incumbent_restarted"]
@@ -418,11 +428,7 @@ def test_an_incumbent_that_freezes_mid_benchmark_is_replaced_and_the_candidate_m
 
 def test_a_candidate_that_freezes_mid_benchmark_crashes_there_and_the_run_goes_on(run, monkeypatch):
     monkeypatch.setenv("FAKE_FREEZE", "candidate-1:10")  # 4 parity + 2 warm-up + 4 of its first pass
-    setup, loop = run({
-        "1-wedges.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "fast, then wedged"),
-        "2-fast.patch": new_file_patch("vllm/fake_mode_2.json", mode("exact", 0.0025), "faster"),
-    }, benchmark={"warmup_requests": 2, "repetitions": 5, "request_timeout_s": 60, "stall_timeout_s": 2,
-                  "max_client_busy": 1.0})
+    setup, loop = run(two_fast("fast, then wedged"), benchmark=WEDGE_BENCHMARK)
     began = time.monotonic()
     finished = loop.run()
     got = decisions(setup)
@@ -440,11 +446,7 @@ def test_an_incumbent_that_fails_again_beside_the_same_candidate_crashes_the_can
     """A candidate that could wedge its neighbour must not earn endless re-measurements: the second failure of
     the incumbent beside it ends it as a crash, and the run goes on with a replaced incumbent."""
     monkeypatch.setenv("FAKE_FREEZE", "baseline-2:28,incumbent-r1:6")
-    setup, loop = run({
-        "1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster"),
-        "2-fast.patch": new_file_patch("vllm/fake_mode_2.json", mode("exact", 0.0025), "faster too"),
-    }, benchmark={"warmup_requests": 2, "repetitions": 5, "request_timeout_s": 60, "stall_timeout_s": 2,
-                  "max_client_busy": 1.0})
+    setup, loop = run(two_fast("faster"), benchmark=WEDGE_BENCHMARK)
     finished = loop.run()
     records = [r.event for r in read_trace(setup.run_dir / "trace.jsonl")]
     restarts = [(e.candidate, e.failed_server, e.server) for e in records if e.kind == "incumbent_restarted"]
