@@ -16,10 +16,11 @@ import numpy as np
 from agent import gpu_state
 from agent.load import LoadClient, steady_window
 from agent.requests import ANSWER_ERRORS, RequestError, draw_prompts
-from agent.stats import SpeedupEstimate, plan_looks, sequential_estimate
+from agent.stats import SpeedupEstimate, idle_work, plan_looks, sequential_estimate
 from agent.task import Task
 from agent.token_audit import Output
 from sandbox.base import Server
+from sandbox.host import cpu_seconds, server_pid
 from traces.schema import BenchReport, Sample
 
 
@@ -29,6 +30,10 @@ class WorkMismatch(RuntimeError):
 
 class HarnessBound(RuntimeError):
     """The load client was too busy during a pass for its clock to measure the server."""
+
+
+class IdleWork(RuntimeError):
+    """The candidate's server worked while the incumbent was measured (agent/stats.py idle_work)."""
 
 
 class PassFailed(RequestError):
@@ -107,11 +112,15 @@ async def answered(load: LoadClient, server: Server, role: str, repetition: int,
 
 async def timed_pass(load: LoadClient, server: Server, role: str, repetition: int, prompts: list[list[int]],
                      output_len: int, concurrency: int | None, timeout_s: float, gpus: list[int] = (),
-                     stall_s: float | None = None) -> Pass:
+                     stall_s: float | None = None, idle: Server | None = None) -> Pass:
+    """One pass; with `idle`, the other side's server, whose CPU time during the pass is recorded."""
+    idle_pid = server_pid(idle) if idle is not None else None
     with gpu_state.GpuMonitor(list(gpus), gpu_state.server_pids(server) if gpus else None) as gpu:
+        idle_before = cpu_seconds(idle_pid)
         started = time.perf_counter()
         result = await answered(load, server, role, repetition, prompts, output_len, concurrency, timeout_s, stall_s)
         seconds, completions = time.perf_counter() - started, result.completions
+        idle_after = cpu_seconds(idle_pid)
     outputs = [c.tokens for c in completions]
     short = [i for i, tokens in enumerate(outputs) if len(tokens) != output_len]
     if short:
@@ -138,7 +147,8 @@ async def timed_pass(load: LoadClient, server: Server, role: str, repetition: in
                     tpot_ms_p99=_percentile(tpot, 99), client_cpu_s=round(result.cpu_s, 3),
                     client_busy=round(result.busy, 3), outputs_sha256=outputs_sha256(prompts, outputs),
                     steady_seconds=steady[0], steady_total_tokens_per_s=(steady[1] + steady[2]) / steady[0],
-                    steady_output_tokens_per_s=steady[2] / steady[0], gpu=state, flags=flags)
+                    steady_output_tokens_per_s=steady[2] / steady[0], gpu=state, flags=flags,
+                    neighbour_cpu_s=None if idle_before is None else round(idle_after - idle_before, 3))
     return Pass(sample, prompts, outputs)
 
 
@@ -210,9 +220,9 @@ async def _compare(load: LoadClient, task: Task, incumbent: Server, candidate: S
         if repetition % 2:
             order.reverse()
         passes = {}
-        for role, server in order:
+        for (role, server), (_, other) in zip(order, order[::-1]):
             passes[role] = await timed_pass(load, server, role, repetition, prompts, w.output_len, w.concurrency,
-                                            b.request_timeout_s, task.sandbox.gpus, b.stall_timeout_s)
+                                            b.request_timeout_s, task.sandbox.gpus, b.stall_timeout_s, other)
             sample = passes[role].sample
             samples.append(sample)
             kept.append(passes[role])
@@ -232,6 +242,9 @@ async def _compare(load: LoadClient, task: Task, incumbent: Server, candidate: S
             estimate, sequential = sequential_estimate(logs, signs, looks, a.confidence, a.min_speedup)
             if sequential.stopped:
                 break
+    busy = idle_work(samples, b.max_idle_cpu)
+    if busy:
+        raise IdleWork(busy)
     note = (f"every request returned exactly {w.output_len} tokens"
             + (f"; {checked} outputs identical to the incumbent's" if b.check_tokens else
                "; tokens not compared with the incumbent's (batching is not invariant in this regime)"))

@@ -1,13 +1,14 @@
 """Replay's second half: every recorded keep/discard must follow from its recorded evidence.
 
 The speedup and interval are recomputed from the benchmark's samples with the task's acceptance
-rule; a token audit's verdict is recomputed from its deficits and tolerance. A decision that does
-not follow names its record."""
+rule; a token audit's verdict is recomputed from its deficits and tolerance; a benchmark counts only
+if the candidate's server did not work while the incumbent was measured. A decision that does not
+follow names its record."""
 from __future__ import annotations
 
 import math
 
-from agent.stats import accepts, estimate_speedup, order_signs, plan_looks, sequential_estimate
+from agent.stats import accepts, estimate_speedup, idle_work, order_signs, plan_looks, sequential_estimate
 from agent.task import Acceptance, Benchmark
 from agent.token_audit import audit_passed
 from traces import TraceError
@@ -35,6 +36,9 @@ def check_decisions(records: list[Record]) -> int:
         if isinstance(event, BenchReport):
             reports[event.candidate, event.confirmation] = event
             _check_report(event, acceptance, line, planned)
+            busy = idle_work(event.samples, b.max_idle_cpu)
+            if busy:
+                raise TraceError(line, f"benchmark of candidate {event.candidate} counted, though {busy}")
         elif isinstance(event, TokenAudit):
             audits[event.candidate, event.confirmation] = event
             if (event.violation_count == 0) != (event.deficits.max <= event.tolerance_nats):

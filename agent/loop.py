@@ -302,7 +302,7 @@ class Loop:
             result = asyncio.run(bench.compare(
                 self.task, self.incumbent.server, server, self.s.vocab_size, seeds,
                 on_sample=lambda sample: self.emit(SampleTaken(candidate=n, sample=sample, confirmation=confirmation))))
-        except (bench.WorkMismatch, bench.HarnessBound) as exc:
+        except (bench.WorkMismatch, bench.HarnessBound, bench.IdleWork) as exc:
             raise Rejected("benchmark", str(exc)) from None
         except bench.PassFailed as exc:
             if exc.role == "candidate":

@@ -100,7 +100,7 @@ def measure(loop, started: list) -> NoiseFloor | None:
     peer = started[0] if started else loop.reference
     try:
         result = asyncio.run(bench.compare(fixed, loop.incumbent.server, peer, loop.s.vocab_size, seeds))
-    except (bench.WorkMismatch, bench.HarnessBound) as exc:
+    except (bench.WorkMismatch, bench.HarnessBound, bench.IdleWork) as exc:
         raise NoiseFloorFailed(f"the baseline's A/A benchmark failed: {exc}") from None
     finally:
         for server in started:

@@ -28,6 +28,26 @@ def accepts(ci_low: float, min_speedup: float) -> bool:
     return ci_low > min_speedup
 
 
+def idle_cpu(samples, role: str) -> float | None:
+    """CPU cores ROLE's server used while the other side was measured: its CPU seconds during the other side's
+    passes over their seconds. None where those passes did not see it."""
+    passes = [s for s in samples if s.role != role]
+    if not passes or any(s.neighbour_cpu_s is None for s in passes):
+        return None
+    return sum(s.neighbour_cpu_s for s in passes) / sum(s.seconds for s in passes)
+
+
+def idle_work(samples, limit: float) -> str | None:
+    """Why a candidate's benchmark does not count because its server worked while the incumbent was measured
+    (more CPU than the incumbent's used while the candidate was, by more than `limit` cores); None if it counts."""
+    candidate, incumbent = idle_cpu(samples, "candidate"), idle_cpu(samples, "incumbent")
+    if candidate is None or incumbent is None or candidate - incumbent <= limit:
+        return None
+    return (f"the candidate's server used {candidate:.2f} CPU cores while the incumbent was measured (the "
+            f"incumbent's {incumbent:.2f} while the candidate was; limit +{limit:g}, benchmark.max_idle_cpu): work "
+            f"done while the other side runs slows it")
+
+
 def estimate_speedup(candidate: list[float], incumbent: list[float], min_speedup: float,
                      confidence: float) -> SpeedupEstimate:
     """Geometric-mean speedup of paired repetitions with a t-interval on the log ratios.

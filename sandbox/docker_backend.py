@@ -91,6 +91,10 @@ class DockerServer(Reachable):
     def alive(self) -> bool:
         return bool(self.state().get("Running"))
 
+    def host_pid(self) -> int | None:
+        """The container's init as this host sees it (the engine runs here: the socket is a bind mount)."""
+        return self.state().get("Pid") or None
+
     def exit_code(self) -> int | None:
         state = self.state()
         if state.get("Running") or state.get("Status") == "created":

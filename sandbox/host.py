@@ -63,8 +63,31 @@ def snapshot(pid: int | None, scratch: str | None = None) -> dict:
 
 
 def server_pid(server) -> int | None:
-    """The root of a server's processes where the harness sees them (a local or namespace server)."""
-    return getattr(getattr(server, "process", None), "pid", None)
+    """The root of a server's processes where the harness sees them: a local or namespace server's process, a
+    container's init (`host_pid`); None where the harness cannot see them."""
+    process = getattr(server, "process", None)
+    if process is not None:
+        return process.pid
+    host_pid = getattr(server, "host_pid", None)
+    return host_pid() if callable(host_pid) else None
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """User and system CPU time used so far by pid's process tree, the children it reaped included (so a
+    process that ends within the tree keeps counting); None where pid is None."""
+    if pid is None:
+        return None
+    ticks = 0
+    for p in process_tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
+        except (OSError, IndexError, ValueError):
+            continue
+    return ticks / CLOCK_TICKS
 
 
 def server_snapshot(server) -> dict:

@@ -16,17 +16,22 @@ patch can turn it into a faster, cheating or nondeterministic candidate:
   crash   - exits at startup
   hang    - starts, then never answers a completion
   stall   - never becomes healthy (a start that hangs)
+Any mode may set `idle_burn: N`: N child processes spin on the CPU whenever the server has no request in
+flight, and stop while it has (work done while the other side is measured).
 Any mode may set `production_start_s` and `parity_start_s`: a server started without VLLM_BATCH_INVARIANT=1
 (a production server, where parity runs on dedicated batch-invariant ones), or with it, takes that long to
 become healthy, as a compile would; `production_crash`: a production server exits at startup after its wait.
 FAKE_FREEZE=NAME:N[,NAME:N...] in the environment: the server named NAME (its home folder's name) freezes
 mid-stream once it has begun N+1 streamed completions, and never sends another byte (it still answers /health),
-as a wedged engine does.
+as a wedged engine does. FAKE_CPU_BOUND=1: the per-token delay is spent computing, not sleeping, so a server
+slows when others take its CPU.
 """
 import hashlib
 import json
 import os
 import random
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -46,6 +51,26 @@ if config.get("production_crash") and not watched:
     sys.exit("fake_vllm: the production server crashes at startup as configured")
 import_log.write_text("".join(f"{p.relative_to(tree)}\n" for p in [tree / "vllm" / "__init__.py", *mode_files]))
 in_flight = served = streamed = 0
+burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(config.get("idle_burn", 0))]
+cpu_bound = os.environ.get("FAKE_CPU_BOUND") == "1"
+
+
+BLOCK = bytes(1 << 20)
+
+
+def wait(seconds: float) -> None:
+    """`seconds` asleep; with FAKE_CPU_BOUND, a fixed amount of work instead (1 MiB hashed per 2 ms asked for,
+    the GIL released while it hashes, so a server's requests compute in parallel as an engine's would)."""
+    if not cpu_bound:
+        time.sleep(seconds)
+        return
+    for _ in range(max(1, round(seconds * 500))):
+        hashlib.sha256(BLOCK).digest()
+
+
+def burn(on: bool) -> None:
+    for burner in burners:
+        burner.send_signal(signal.SIGCONT if on else signal.SIGSTOP)
 frozen = False
 lock = threading.Lock()
 name = Path(os.environ.get("NIGHTSHIFT_SERVER_HOME", "")).name
@@ -110,6 +135,8 @@ class Handler(BaseHTTPRequestHandler):
         with lock:
             in_flight += 1
             served += 1
+            if in_flight == 1:
+                burn(False)
             crowded = in_flight > (1 if config["mode"] in ("batched", "neartie") else 2)
             delay_s = config.get("delay_s", 0.002)
             if served > config.get("slow_after", served):
@@ -126,7 +153,7 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
             self.end_headers()
             for step, (_, token) in enumerate(generate(body["prompt"], count, crowded)):
-                time.sleep(delay_s)
+                wait(delay_s)
                 if frozen and step == count // 2:
                     time.sleep(3600)
                 chunk = {"choices": [{"index": 0, "text": "", "token_ids": [token]}]}
@@ -137,6 +164,8 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             with lock:
                 in_flight -= 1
+                if in_flight == 0:
+                    burn(True)
         self.close_connection = True
 
     def answer_whole(self, body: dict, count: int, crowded: bool):

@@ -21,6 +21,7 @@ from agent.task import Sandbox as SandboxConfig
 from sandbox.base import SandboxError, ServerSpec
 from sandbox.docker_backend import DockerSandbox, DockerUnavailable, connect
 from sandbox.docker_spec import SANDBOX_UID
+from sandbox.host import cpu_seconds, process_tree, server_pid
 from tests.hostile.plant import hostile_spec, observed
 
 
@@ -87,6 +88,10 @@ def test_benign_candidate_is_hardened_and_records_imports(engine, tmp_path, run_
         imports = server.imported_files()
         assert "vllm/entrypoints/cli/main.py" in imports and "vllm/entrypoints/cli/stub_server.py" in imports
         assert server.alive()
+        pid = server_pid(server)  # the container's init as this host sees it: the benchmark counts its CPU
+        assert pid == attrs["State"]["Pid"] and any("vllm.entrypoints.cli.main" in open(f"/proc/{p}/cmdline").read()
+                                                    for p in process_tree(pid))
+        assert cpu_seconds(pid) > 0
     finally:
         assert server.stop() == "ok"
     assert not server.alive() and not server.io_dir.exists()

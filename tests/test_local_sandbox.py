@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sandbox.base import SandboxError, ServerSpec, serve_argv
-from sandbox.host import OWNER_ENV, marked_processes, running, server_marks, start_time
+from sandbox.host import OWNER_ENV, cpu_seconds, marked_processes, running, server_marks, start_time
 from sandbox.host import process_identity as harness_identity
 from sandbox.local import (RECORDER, LocalSandbox, LocalServer, free_port, process_identity, record_server,
                            server_env, wait_healthy)
@@ -264,3 +264,34 @@ def test_servers_recorded_while_a_neighbour_reaps_are_never_killed(tmp_path):
     finally:
         server.kill()
         reaper.kill()
+
+
+BURN_IN_A_CHILD = """
+import os, time
+pid = os.fork()
+if pid == 0:
+    end = time.process_time() + 0.6
+    while time.process_time() < end:
+        pass
+    os._exit(0)
+os.waitpid(pid, 0)
+print("reaped", flush=True)
+time.sleep(600)
+"""
+
+
+def test_cpu_seconds_counts_a_tree_and_the_children_it_reaped():
+    """What the benchmark records of the idle side's server: CPU time of its whole tree, where a child that burned
+    and was reaped still counts (in its parent's), and a sleeping tree counts next to nothing."""
+    burner = subprocess.Popen([sys.executable, "-c", BURN_IN_A_CHILD], stdout=subprocess.PIPE, text=True)
+    idle = sleeper()
+    try:
+        assert burner.stdout.readline().strip() == "reaped"
+        assert cpu_seconds(burner.pid) >= 0.55
+        before = cpu_seconds(idle.pid)
+        time.sleep(0.5)
+        assert cpu_seconds(idle.pid) - before < 0.05
+        assert cpu_seconds(None) is None
+    finally:
+        burner.kill()
+        idle.kill()

@@ -10,6 +10,7 @@ import git
 import pytest
 
 from agent.audit import audit
+from agent.evidence import check_decisions
 from agent.loop import AuditNotCalibrated, Loop, SetupNotDeterministic
 from agent.parity import ReferenceFailed
 from agent.proposers.queue import QueueProposer
@@ -17,7 +18,7 @@ from agent.report import write_summary
 from agent.setup import prepare_run
 from agent.task import load_task, with_overrides
 from tests.fake_sandbox import FakeSandbox
-from traces import read_trace
+from traces import TraceError, read_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 VERSION = "0.32.0"
@@ -455,3 +456,33 @@ def test_an_incumbent_that_fails_again_beside_the_same_candidate_crashes_the_can
     assert (got[1].verdict, got[1].stage) == ("crash", "benchmark") and "the second time" in got[1].reason
     assert (got[2].verdict, got[2].stage) == ("keep", "decision"), got[2].reason
     assert finished.kept == 1 and loop.pool.running == [] and stopped_once(loop)
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
+def test_a_candidate_that_works_while_the_incumbent_is_measured_is_rejected(run, monkeypatch, check):
+    """The adversary: as fast as the incumbent on its own, but its server spins on every core whenever it has no
+    request, so the incumbent's passes run slower and the candidate looks faster. With the check off it fools
+    the gate and is kept; with it, it is rejected at the benchmark, with the CPU each side used while the other
+    was measured; replay re-derives that a kept benchmark passed it."""
+    monkeypatch.setenv("FAKE_CPU_BOUND", "1")  # the servers' per-token work is computed, so it competes for CPU
+    setup, loop = run(
+        {"1-burner.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.01, idle_burn=6), "busy idle")},
+        benchmark={"warmup_requests": 2, "repetitions": 6, "request_timeout_s": 60, "max_client_busy": 1.0,
+                   **({} if check else {"max_idle_cpu": 100.0})})
+    finished = loop.run()
+    decision = decisions(setup)[1]
+    samples = [r.event.sample for r in read_trace(setup.run_dir / "trace.jsonl") if r.event.kind == "sample"]
+    during_incumbent = [s.neighbour_cpu_s / s.seconds for s in samples if s.role == "incumbent"]
+    during_candidate = [s.neighbour_cpu_s / s.seconds for s in samples if s.role == "candidate"]
+    assert min(during_incumbent) > 0.25 and max(during_candidate) < 0.1, (during_incumbent, during_candidate)
+    if check:
+        assert (decision.verdict, decision.stage) == ("discard", "benchmark"), decision.reason
+        assert "CPU cores while the incumbent was measured" in decision.reason and finished.kept == 0
+    else:
+        assert (decision.verdict, decision.stage) == ("keep", "decision"), decision.reason
+        assert decision.speedup > 1.2 and finished.kept == 1 and audit(setup.run_dir).decisions == 1
+        records = read_trace(setup.run_dir / "trace.jsonl")  # the same evidence, under the default limit
+        del records[0].event.task["benchmark"]["max_idle_cpu"]
+        with pytest.raises(TraceError, match="counted, though the candidate's server used"):
+            check_decisions(records)
+    assert loop.pool.running == [] and stopped_once(loop)

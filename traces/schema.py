@@ -146,6 +146,9 @@ class Sample(BaseModel):
     gpu: GpuPass | None = None
     flags: list[str] = Field(default_factory=list)
     """Why the pass may not measure the server alone: `throttled: ...`, `neighbour busy: ...`."""
+    neighbour_cpu_s: float | None = None
+    """CPU time the other side's server (idle, waiting its turn) used during this pass, from /proc; None where
+    the harness cannot see its processes."""
 
 
 class Liveness(BaseModel):
