@@ -24,6 +24,10 @@ from sandbox.host import cpu_seconds, server_pid
 from traces.schema import BenchReport, Sample
 
 
+IDLE_BUSY_CORES = 0.5
+"""A pass during which the other side's (idle) server used more CPU than this is flagged."""
+
+
 class WorkMismatch(RuntimeError):
     """A server returned other work than was asked for (fewer tokens, or other tokens)."""
 
@@ -134,6 +138,9 @@ async def timed_pass(load: LoadClient, server: Server, role: str, repetition: in
     flags = gpu_state.flags(state)
     lanes = min(concurrency or len(prompts), len(prompts))
     window = steady_window(completions, [len(p) for p in prompts], lanes) if concurrency else None
+    idle_cpu = None if idle_before is None else round(idle_after - idle_before, 3)
+    if idle_cpu is not None and idle_cpu / seconds > IDLE_BUSY_CORES:
+        flags.append(f"neighbour busy: the other side's server used {idle_cpu / seconds:.2f} CPU cores")
     if window is None:
         flags.append("no steady state: " + (f"{lanes} requests were never in flight before the drain" if concurrency
                                             else "no concurrency cap, every request sent at once") + "; whole pass used")
@@ -148,7 +155,7 @@ async def timed_pass(load: LoadClient, server: Server, role: str, repetition: in
                     client_busy=round(result.busy, 3), outputs_sha256=outputs_sha256(prompts, outputs),
                     steady_seconds=steady[0], steady_total_tokens_per_s=(steady[1] + steady[2]) / steady[0],
                     steady_output_tokens_per_s=steady[2] / steady[0], gpu=state, flags=flags,
-                    neighbour_cpu_s=None if idle_before is None else round(idle_after - idle_before, 3))
+                    neighbour_cpu_s=idle_cpu)
     return Pass(sample, prompts, outputs)
 
 

@@ -1,9 +1,9 @@
 """Replay's second half: every recorded keep/discard must follow from its recorded evidence.
 
 The speedup and interval are recomputed from the benchmark's samples with the task's acceptance
-rule; a token audit's verdict is recomputed from its deficits and tolerance; a benchmark counts only
-if the candidate's server did not work while the incumbent was measured. A decision that does not
-follow names its record."""
+rule; a token audit's verdict is recomputed from its deficits and tolerance; where the task sets
+benchmark.max_idle_cpu, a benchmark counts only if the candidate's server did not work while the
+incumbent was measured. A decision that does not follow names its record."""
 from __future__ import annotations
 
 import math

