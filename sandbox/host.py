@@ -7,15 +7,20 @@ import stat
 from pathlib import Path
 
 
+def stat_fields(pid: int) -> list[str]:
+    """/proc/<pid>/stat after the command name: [0] the state, [1] the parent, [2] the group, [11:15] the CPU
+    times, [19] the start time. Raises OSError for a process that is gone."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def process_tree(pid: int | None) -> set[int]:
     """pid and its descendants, from /proc (empty where pid is None or /proc is absent)."""
     if pid is None:
         return set()
     children: dict[int, list[int]] = {}
-    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+    for entry in Path("/proc").glob("[0-9]*"):
         try:
-            fields = stat_file.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat_file.parent.name))
+            children.setdefault(int(stat_fields(int(entry.name))[1]), []).append(int(entry.name))
         except (OSError, IndexError, ValueError):
             continue
     tree, todo = set(), [pid]
@@ -83,8 +88,7 @@ def cpu_seconds(pid: int | None) -> float | None:
     ticks = 0
     for p in process_tree(pid):
         try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            ticks += sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
+            ticks += sum(int(x) for x in stat_fields(p)[11:15])  # utime, stime, cutime, cstime
         except (OSError, IndexError, ValueError):
             continue
     return ticks / CLOCK_TICKS
@@ -118,7 +122,7 @@ def process_identity(pid: int) -> str:
 def start_time(pid: int) -> str:
     """The start time of a running process; "?" for one that is gone, or dead and not yet waited for."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = stat_fields(pid)
     except OSError:
         return "?"
     return "?" if len(fields) < 20 or fields[0] in ("Z", "X") else fields[19]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from sandbox.base import Endpoint, Outcome, Reachable, ServerSpec, build_env, read_imports, serve_argv, wait_healthy
 from sandbox.config import SandboxConfig
-from sandbox.host import marked_processes, owner_alive, running, server_marks, start_time
+from sandbox.host import marked_processes, owner_alive, running, server_marks, start_time, stat_fields
 
 RECORDER = Path(__file__).parent / "recorder"
 PASSED_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "LD_LIBRARY_PATH",
@@ -164,10 +164,10 @@ def process_identity(pid: int) -> str:
 
 def _group_members(pgid: int) -> list[int]:
     members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for entry in Path("/proc").glob("[0-9]*"):
         try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) == pgid:
-                members.append(int(stat.parent.name))
+            if int(stat_fields(int(entry.name))[2]) == pgid:
+                members.append(int(entry.name))
         except (OSError, IndexError, ValueError):
             pass
     return members
