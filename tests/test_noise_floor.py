@@ -18,7 +18,9 @@ def events(setup):
 
 
 def test_the_a_a_runs_before_the_first_candidate_and_warns_when_it_cannot_see_min_speedup(run):
+    # passes of 64 steps (~0.7 s): at the default 16 (~0.17 s) one stall of a loaded 2-core host moved this A/A to 1.31
     setup, loop = run({"1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster")},
+                      workload={"num_prompts": 8, "input_len": 16, "output_len": 64},
                       benchmark=BENCH, acceptance={"min_speedup": 1.0001, "confidence": 0.95, "confirmations": 0})
     loop.run()
     kinds = [e.kind for e in events(setup)]
