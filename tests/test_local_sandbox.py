@@ -1,4 +1,5 @@
 """The local backend with real processes: scrubbed environment, process-group kill, reaping."""
+import asyncio
 import json
 import os
 import signal
@@ -295,3 +296,33 @@ def test_cpu_seconds_counts_a_tree_and_the_children_it_reaped():
     finally:
         burner.kill()
         idle.kill()
+
+
+TAIL_THEN_SLEEP = """
+import time
+end = time.monotonic() + 0.8
+while time.monotonic() < end:
+    pass
+print("quiet", flush=True)
+time.sleep(600)
+"""
+
+
+def test_settle_waits_out_a_tail_and_gives_up_on_a_spinner():
+    """Before a pass the benchmark waits for both servers to go quiet: a process that works for 0.8 s after its
+    last request is awaited until it stops; one that never stops is reported with its cores after the limit."""
+    from agent.bench import QUIET_CORES, settle
+    tail = subprocess.Popen([sys.executable, "-c", TAIL_THEN_SLEEP], stdout=subprocess.PIPE, text=True)
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    idle = sleeper()
+    try:
+        waited, busy = asyncio.run(settle({tail.pid: "tail", idle.pid: "idle"}, 5.0))
+        assert tail.stdout.readline().strip() == "quiet" and busy == {} and 0.4 < waited < 3, waited
+        waited, busy = asyncio.run(settle({idle.pid: "idle"}, 5.0))
+        assert busy == {} and waited < 0.6
+        waited, busy = asyncio.run(settle({spinner.pid: "spinner", idle.pid: "idle"}, 1.0))
+        assert list(busy) == ["spinner"] and busy["spinner"] > QUIET_CORES and 1.0 <= waited < 1.6
+        assert asyncio.run(settle({spinner.pid: "spinner"}, 0)) == (0.0, {})
+    finally:
+        for p in (tail, spinner, idle):
+            p.kill()

@@ -149,6 +149,8 @@ class Sample(BaseModel):
     neighbour_cpu_s: float | None = None
     """CPU time the other side's server (idle, waiting its turn) used during this pass, from /proc; None where
     the harness cannot see its processes."""
+    settle_s: float | None = None
+    """Seconds the harness waited before the pass for both servers to go quiet (benchmark.settle_s)."""
 
 
 class Liveness(BaseModel):
