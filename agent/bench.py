@@ -227,6 +227,17 @@ async def compare(task: Task, incumbent: Server, candidate: Server, vocab_size: 
         return await _compare(load, task, incumbent, candidate, vocab_size, seeds, on_sample)
 
 
+def audit_calibration_passes(task: Task) -> int:
+    """The A/A's passes: audit.calibration_passes, or as many as a candidate's audit covers (its benchmark's
+    repetitions, or enough passes for audit.sample requests)."""
+    a = task.audit
+    if a.calibration_passes:
+        return a.calibration_passes
+    if a.sample is None:
+        return planned_repetitions(task)
+    return max(1, math.ceil(a.sample / pass_size(task)))
+
+
 async def calibration_passes(task: Task, server: Server, vocab_size: int, seeds: list[int]) -> list[Pass]:
     """Timed passes of the workload on one server (the baseline's A/A for the token audit)."""
     w, b = task.workload, task.benchmark

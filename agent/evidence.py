@@ -1,7 +1,8 @@
 """Replay's second half: every recorded keep/discard must follow from its recorded evidence.
 
 The speedup and interval are recomputed from the benchmark's samples with the task's acceptance
-rule; a token audit's verdict is recomputed from its deficits and tolerance; where the task sets
+rule; a token audit's verdict is recomputed from its recorded deficits by the audit rule (its counts must
+agree with those deficits, and the control and A/A it was compared with are the ones in the trace); where the task sets
 benchmark.max_idle_cpu, a benchmark counts only if the candidate's server did not work while the
 incumbent was measured. A decision that does not follow names its record."""
 from __future__ import annotations
@@ -9,8 +10,8 @@ from __future__ import annotations
 import math
 
 from agent.stats import accepts, estimate_speedup, idle_work, order_signs, plan_looks, sequential_estimate
-from agent.task import Acceptance, Benchmark
-from agent.token_audit import audit_passed
+from agent.task import Acceptance, Audit, Benchmark
+from agent.token_audit import EPSILON_NATS, audit_passed, calibration_refusal, judge
 from traces import TraceError
 from traces.schema import BenchReport, Decision, Record, Remeasured, Resumed, RunStarted, TokenAudit
 
@@ -28,6 +29,8 @@ def check_decisions(records: list[Record]) -> int:
     b = Benchmark.model_validate(started.task.get("benchmark", {}))
     planned = plan_looks(b.repetitions, b.max_repetitions, b.look_every)
     audited = bool(started.task.get("audit", {}).get("enabled", False))
+    rule = Audit.model_validate(started.task.get("audit", {}))
+    calibrations: dict[int, TokenAudit] = {}
     reports: dict[tuple[int, int], BenchReport] = {}
     audits: dict[tuple[int, int], TokenAudit] = {}
     checked = 0
@@ -40,11 +43,11 @@ def check_decisions(records: list[Record]) -> int:
             if busy:
                 raise TraceError(line, f"benchmark of candidate {event.candidate} counted, though {busy}")
         elif isinstance(event, TokenAudit):
-            audits[event.candidate, event.confirmation] = event
-            if (event.violation_count == 0) != (event.deficits.max <= event.tolerance_nats):
-                raise TraceError(line, f"audit of candidate {event.candidate}: {event.violation_count} violations "
-                                       f"do not follow from max deficit {event.deficits.max} against tol "
-                                       f"{event.tolerance_nats}")
+            _check_audit(event, line, rule, acceptance, calibrations)
+            if event.calibration:
+                calibrations[event.sample_seed] = event
+            else:
+                audits[event.candidate, event.confirmation] = event
         elif isinstance(event, (Resumed, Remeasured)):  # evaluated again: the candidates' old evidence is void
             void = {event.candidate, *getattr(event, "in_flight", [])}
             reports = {key: r for key, r in reports.items() if key[0] not in void}
@@ -53,6 +56,45 @@ def check_decisions(records: list[Record]) -> int:
             _check_decision(event, line, reports, audits, acceptance, audited)
             checked += 1
     return checked
+
+
+def _check_audit(event: TokenAudit, line: int, rule: Audit, acceptance: Acceptance,
+                 calibrations: dict[int, TokenAudit]) -> None:
+    """A token audit's counts agree with its recorded deficits, and its verdict follows from them by the rule."""
+    where = f"audit of candidate {event.candidate}" + (" (the A/A)" if event.calibration else "")
+    side = event.side
+    if side is None:  # written before the rate rule: violations against the tolerance alone
+        if (event.violation_count == 0) != (event.deficits.max <= event.tolerance_nats):
+            raise TraceError(line, f"{where}: {event.violation_count} violations do not follow from max deficit "
+                                   f"{event.deficits.max} against tol {event.tolerance_nats}")
+        return
+    beyond = sum(v > event.tolerance_nats + EPSILON_NATS for v in side.values)
+    if not (side.non_top1 == sum(side.per_request) == len(side.values) == event.deficits.non_top1
+            and side.tokens == sum(side.request_tokens) == event.tokens
+            and math.isclose(max(side.values, default=0.0), event.deficits.max, abs_tol=1e-3)
+            and beyond == event.violation_count and _close(event.tolerance_nats, rule.hard_bound_nats)):
+        raise TraceError(line, f"{where}: its counts do not agree with its recorded deficits ({side.non_top1} not "
+                               f"top-1 in {len(side.values)} deficits and {sum(side.per_request)} per request, "
+                               f"{event.violation_count} violations for {beyond} beyond {event.tolerance_nats:g})")
+    if event.calibration:
+        return
+    if event.verdict is None:
+        raise TraceError(line, f"{where}: a candidate's audit without a verdict")
+    recorded = event.verdict
+    calibration = calibrations.get(recorded.calibration_seed) if recorded.calibration_seed is not None else None
+    if recorded.calibration_seed is not None and calibration is None:
+        raise TraceError(line, f"{where}: compared with an A/A (seed {recorded.calibration_seed}) the trace lacks")
+    if calibration is not None and (refusal := calibration_refusal(calibration, rule)):
+        raise TraceError(line, f"{where}: judged after an A/A that should have refused the run: {refusal}")
+    derived = judge(side, event.control, calibration.side if calibration else None, rule.hard_bound_nats,
+                    rule.rate_ratio, acceptance.confidence)
+    if (recorded.passed, recorded.test, recorded.reference) != (derived.passed, derived.test, derived.reference) \
+            or not (_close(recorded.rate_p_value, derived.rate_p_value)
+                    and _close(recorded.concentration_p_value, derived.concentration_p_value)):
+        raise TraceError(line, f"{where}: recorded verdict '{recorded.test}' (rate p={recorded.rate_p_value:.4g}, "
+                               f"concentration p={recorded.concentration_p_value:.4g}) does not follow from its "
+                               f"deficits and the rule: '{derived.test}' (rate p={derived.rate_p_value:.4g}, "
+                               f"concentration p={derived.concentration_p_value:.4g})")
 
 
 def _check_report(report: BenchReport, acceptance: Acceptance, line: int, planned: list[int]) -> None:

@@ -22,6 +22,7 @@ from agent.environment import environment
 from agent.pool import ServerPool, ServerRequest
 from agent.setup import RunSetup
 from agent.stats import accepts
+from agent.token_audit import run_audit
 from sandbox import make_sandbox
 from traces.errors import NightshiftError
 from traces.schema import RunFinished
@@ -49,6 +50,31 @@ def measure(s: RunSetup, incumbent, other, label: str, index: int) -> dict:
             "samples": [x.model_dump() for x in result.samples], "result": result}
 
 
+def audit_calibration(s: RunSetup, server):
+    """The run's A/A of the token audit on the baseline copy that every benchmark compares against (which is
+    also the study's scoring reference), recorded in the trace; None where the task's audit is off."""
+    if not s.task.audit.enabled:
+        return None
+    seeds = [secrets.randbits(63) for _ in range(bench.audit_calibration_passes(s.task) + 1)]
+    passes = asyncio.run(bench.calibration_passes(s.task, server, s.vocab_size, seeds))
+    event = run_audit(0, server, [o for p in passes for o in p.requests()], s.task.audit,
+                      s.task.benchmark.request_timeout_s, s.task.acceptance.confidence, is_calibration=True)
+    s.trace.append(event)
+    return event
+
+
+def audit_row(s: RunSetup, reference, result, calibration, index: int) -> dict:
+    """One benchmark's token audit, exactly as a candidate's: the other side's outputs against this side's."""
+    event = run_audit(index, reference, result.outputs("candidate"), s.task.audit, s.task.benchmark.request_timeout_s,
+                      s.task.acceptance.confidence, result.outputs("incumbent"), calibration)
+    s.trace.append(event)
+    v = event.verdict
+    return {"passed": v.passed, "test": v.test, "tokens": event.tokens, "non_top1": event.deficits.non_top1,
+            "max_deficit": event.deficits.max, "control_tokens": event.control.tokens,
+            "control_non_top1": event.control.non_top1, "control_max_deficit": max(event.control.values, default=0.0),
+            "reference": v.reference, "rate_p_value": v.rate_p_value, "concentration_p_value": v.concentration_p_value}
+
+
 def summarize(task, rows: list[dict], patches: list[str]) -> dict:
     a = task.acceptance
     aa = [r for r in rows if r["label"] == "A/A"]
@@ -63,11 +89,19 @@ def summarize(task, rows: list[dict], patches: list[str]) -> dict:
                                               if known and task.benchmark.max_repetitions else None),
                        "pairs_for_min_speedup": noise.pairs_needed(sd, a.min_speedup, a.confidence) if known else None,
                        "power": noise.POWER}, "patches": {}}
+    audited = [r for r in aa if "audit" in r]
+    if audited:
+        summary["a_a"]["audit"] = {"benchmarks": len(audited), "false_rejects": sum(not r["audit"]["passed"] for r in audited),
+                                   "non_top1": [r["audit"]["non_top1"] for r in audited],
+                                   "control_non_top1": [r["audit"]["control_non_top1"] for r in audited],
+                                   "tokens": audited[0]["audit"]["tokens"],
+                                   "max_deficit": max(r["audit"]["max_deficit"] for r in audited)}
     for name in patches:
         mine = [r for r in rows if r["label"] == name]
         mean = float(np.mean([r["speedup"] for r in mine])) if mine else float("nan")
         direction = "slower" if mean < 1 else "faster"
-        summary["patches"][name] = {"benchmarks": len(mine), "mean_speedup": mean, "direction": direction,
+        summary["patches"][name] = {"audit_rejects": sum("audit" in r and not r["audit"]["passed"] for r in mine),
+                                    "benchmarks": len(mine), "mean_speedup": mean, "direction": direction,
                                     "detected": sum(r[direction] for r in mine), "accepted": sum(r["accepted"] for r in mine),
                                     "speedups": [round(r["speedup"], 4) for r in mine]}
     return summary
@@ -87,6 +121,12 @@ def markdown(data: dict) -> str:
                   f"{aa['interval_excludes_one']} intervals excluding 1; pooled per-pair log-ratio SD "
                   f"{aa['pooled_log_ratio_sd']:.4f} (net of the order term); minimum detectable effect {mde} at {aa['power']:.0%} power; "
                   f"pairs for {data['min_speedup']}x: {aa['pairs_for_min_speedup']}"]
+    if "audit" in aa:
+        au = aa["audit"]
+        lines.append(f"Token audit of each A/A (the second copy against the first, as a candidate against its "
+                     f"control): {au['false_rejects']} of {au['benchmarks']} rejected; non-top-1 tokens per "
+                     f"{au['tokens']}: {au['non_top1']} (controls {au['control_non_top1']}), max deficit "
+                     f"{au['max_deficit']:.3f} nats")
     for name, p in data["summary"]["patches"].items():
         lines.append(f"{name}: mean {p['mean_speedup']:.4f}x, detected {p['direction']} in {p['detected']} of "
                      f"{p['benchmarks']}, accepted {p['accepted']}"
@@ -121,10 +161,13 @@ def study(s: RunSetup, aa: int, patches: list[Path], repeat: int, sandbox=None,
                 build(i, tree, patched[name][1], bytecode_from=base, link=s.linked)
                 requests.append(ServerRequest(name, tree, args))
             servers = pool.start(requests)
+            calibration = audit_calibration(s, servers[0])
             plan = [("A/A", servers[1], k) for k in range(aa)]
             plan += [(name, servers[2 + i], k) for i, name in enumerate(texts) for k in range(repeat)]
             for label, other, k in plan:
                 row = measure(s, servers[0], other, label, k)
+                if calibration is not None:
+                    row["audit"] = audit_row(s, servers[0], row["result"], calibration, len(rows) + 1)
                 floor = noise.summarize(s.task, row["result"].samples, row["result"].estimate)
                 row["log_ratio_sd"] = floor.log_ratio_sd  # net of the order term
                 if label == "A/A":
@@ -132,7 +175,10 @@ def study(s: RunSetup, aa: int, patches: list[Path], repeat: int, sandbox=None,
                 del row["result"]
                 rows.append(row)
                 on_line(f"{label} #{k}: {row['speedup']:.4f}x [{row['ci_low']:.4f}, {row['ci_high']:.4f}], "
-                        f"{row['pairs']} pairs{', accepted' if row['accepted'] else ''}")
+                        f"{row['pairs']} pairs{', accepted' if row['accepted'] else ''}"
+                        + (f"; audit {row['audit']['test']}: {row['audit']['non_top1']} of {row['audit']['tokens']} "
+                           f"not top-1 against the control's {row['audit']['control_non_top1']}"
+                           if "audit" in row else ""))
             for i, (name, (tree, files)) in enumerate(patched.items()):
                 proof = liveness.check(servers[2 + i], tree, files)  # an effect never imported is no effect
                 missing[name] = proof.missing

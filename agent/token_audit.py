@@ -3,8 +3,10 @@
 A timed pass keeps the token ids each request returned. Afterwards the harness picks the requests
 to audit (all, or `audit.sample`) with a seed the candidate never sees, and sends each
 `prompt + output` to the reference with `prompt_logprobs`: at every generated position vLLM gives
-the returned token's log-prob and the reference's top-1 token and log-prob. A position whose token
-is not the top-1 and lies more than `audit.tolerance_nats` below it is a violation."""
+the returned token's log-prob and the reference's top-1 token and log-prob. The incumbent's outputs of
+the same benchmark are drawn and scored the same way: they are the control, honest numerics measured
+under the same load. `judge` is the rule: a hard bound on any position, then the candidate's rate of
+non-top-1 positions against the control's (or the A/A's, if higher), overall and within one request."""
 from __future__ import annotations
 
 import asyncio
@@ -13,11 +15,13 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from scipy import stats
 
 from agent.requests import ANSWER_ERRORS, RequestError, completion_body
 from sandbox.base import Server
 from agent.parity import ReferenceFailed
-from traces.schema import Deficits, TokenAudit, Violation
+from agent.task import Audit
+from traces.schema import AuditSide, AuditVerdict, Deficits, TokenAudit, Violation
 
 MAX_RECORDED_VIOLATIONS = 20
 
@@ -87,45 +91,161 @@ def pick(outputs: list[Output], sample: int | None, seed: int) -> list[Output]:
     return [outputs[i] for i in sorted(chosen)]
 
 
+EPSILON_NATS = 1e-6
+"""Deficits are differences of float32 log-probs: one equal to the bound (1.0000000596 against 1.0) is not past it."""
+
+
 def deficits_of(values: list[float], positions: int) -> Deficits:
     q = (lambda p: float(np.quantile(values, p))) if values else (lambda p: 0.0)
     return Deficits(positions=positions, non_top1=len(values), max=max(values, default=0.0),
                     p50=q(0.5), p90=q(0.9), p99=q(0.99))
 
 
-def run_audit(candidate: int, reference: Server, outputs: list[Output], tolerance_nats: float, sample: int | None,
-              concurrency: int, timeout_s: float, confirmation: int = 0, calibration: bool = False) -> TokenAudit:
-    """Score the chosen outputs on the reference; raises ReferenceFailed if the reference cannot answer."""
+def side_of(chosen: list[Output], scored: list[list[Position]]) -> AuditSide:
+    per_request = [sum(p.token != p.top1 for p in scores) for scores in scored]
+    values = [round(p.deficit, 4) for scores in scored for p in scores if p.token != p.top1]
+    return AuditSide(requests=len(chosen), tokens=sum(len(s) for s in scored), non_top1=sum(per_request),
+                     per_request=per_request, request_tokens=[len(s) for s in scored], values=values)
+
+
+def violations_of(chosen: list[Output], scored: list[list[Position]], bound: float) -> list[Violation]:
+    return [Violation(repetition=o.repetition, request=o.request, position=i, returned=p.token, expected=p.top1,
+                      deficit_nats=round(p.deficit, 6))
+            for o, scores in zip(chosen, scored) for i, p in enumerate(scores)
+            if p.token != p.top1 and p.deficit > bound + EPSILON_NATS]
+
+
+def judge(side: AuditSide, control: AuditSide | None, calibration: AuditSide | None, hard_bound_nats: float,
+          rate_ratio: float, confidence: float) -> AuditVerdict:
+    """The audit rule, in one place (the loop, verify and replay all call it).
+
+    1. Hard bound: a token more than `hard_bound_nats` below the reference's top-1 rejects at once.
+    2. Rate: the candidate's non-top-1 count k_c of n_c tokens against the reference's k_r of n_r, where the
+       reference is whichever of the control (the incumbent's outputs in the same benchmark) and the run's A/A has
+       the higher rate. H0: the candidate's rate is at most rate_ratio x the reference's. Conditioned on
+       k_c + k_r, k_c is Binomial(k_c + k_r, R n_c / (R n_c + n_r)) at the boundary of H0; the exact one-sided
+       p-value is P(X >= k_c) (the comparison of two Poisson rates). Exact, it needs no large counts.
+    3. Concentration: the request with the most non-top-1 positions, against Binomial(its tokens, q) with
+       q = rate_ratio x the reference rate, at least one position per request; Bonferroni over the requests.
+       It catches a corruption confined to a few requests that the overall rate dilutes.
+    Rejects where a p-value is below 1 - confidence."""
+    alpha = 1.0 - confidence
+    bound_violations = [v for v in side.values if v > hard_bound_nats + EPSILON_NATS]
+    ref_name, ref = "none", None
+    for name, candidate_ref in (("control", control), ("calibration", calibration)):
+        if candidate_ref is not None and candidate_ref.tokens and \
+                (ref is None or candidate_ref.non_top1 / candidate_ref.tokens > ref.non_top1 / ref.tokens):
+            ref_name, ref = name, candidate_ref
+    rate_p = concentration_p = 1.0
+    if ref is not None and side.tokens:
+        total = side.non_top1 + ref.non_top1
+        share = rate_ratio * side.tokens / (rate_ratio * side.tokens + ref.tokens)
+        rate_p = float(stats.binom.sf(side.non_top1 - 1, total, share)) if side.non_top1 else 1.0
+        ref_rate = ref.non_top1 / ref.tokens
+        worst = [float(stats.binom.sf(count - 1, length, min(1.0, max(rate_ratio * ref_rate, 1.0 / length))))
+                 for count, length in zip(side.per_request, side.request_tokens) if count and length]
+        concentration_p = min(1.0, len(side.per_request) * min(worst, default=1.0))
+    common = dict(hard_bound_nats=hard_bound_nats, rate_ratio=rate_ratio, alpha=alpha, reference=ref_name,
+                  reference_non_top1=ref.non_top1 if ref else 0, reference_tokens=ref.tokens if ref else 0,
+                  rate_p_value=rate_p, concentration_p_value=concentration_p)
+    rate = f"{side.non_top1} of {side.tokens} tokens not the reference's top-1"
+    against = (f"the {ref_name}'s {ref.non_top1} of {ref.tokens}" if ref else "no reference rate")
+    if bound_violations:
+        return AuditVerdict(passed=False, test="hard_bound", **common, reason=(
+            f"{len(bound_violations)} of {side.tokens} tokens lie more than {hard_bound_nats:g} nats below the "
+            f"reference's top-1 (max {max(bound_violations):.3f}): far beyond numerics"))
+    if rate_p < alpha:
+        return AuditVerdict(passed=False, test="rate", **common, reason=(
+            f"{rate}, more than {rate_ratio:g}x {against} (p={rate_p:.2g} < {alpha:g}): the candidate's tokens leave "
+            f"the top-1 more often than honest numerics here"))
+    if concentration_p < alpha:
+        worst_request = max(range(len(side.per_request)), key=lambda i: side.per_request[i])
+        return AuditVerdict(passed=False, test="concentration", **common, reason=(
+            f"audited request {worst_request} has {side.per_request[worst_request]} of "
+            f"{side.request_tokens[worst_request]} tokens not the reference's top-1, against {against} "
+            f"(p={concentration_p:.2g} < {alpha:g} over {len(side.per_request)} requests)"))
+    return AuditVerdict(passed=True, test="pass", **common, reason=(
+        f"{rate} (max {max(side.values, default=0.0):.3f} nats, bound {hard_bound_nats:g}), against {against} "
+        f"(rate p={rate_p:.2g}, concentration p={concentration_p:.2g})"))
+
+
+async def _score_sides(reference: Server, sides: list[list[Output]], concurrency: int, timeout_s: float):
+    flat = [o for chosen in sides for o in chosen]
+    scored = await score_all(reference, flat, concurrency, timeout_s)
+    out, at = [], 0
+    for chosen in sides:
+        out.append(scored[at:at + len(chosen)])
+        at += len(chosen)
+    return out
+
+
+def run_audit(candidate: int, reference: Server, outputs: list[Output], audit: Audit, timeout_s: float,
+              confidence: float, control_outputs: list[Output] | None = None,
+              calibration: TokenAudit | None = None, confirmation: int = 0, is_calibration: bool = False) -> TokenAudit:
+    """Score the chosen outputs (and the control's, drawn with the same seed) on the reference, then judge them;
+    raises ReferenceFailed if the reference cannot answer."""
     started, seed = time.perf_counter(), secrets.randbits(63)
-    chosen = pick(outputs, sample, seed)
+    chosen = [pick(outputs, audit.sample, seed)] + ([pick(control_outputs, audit.sample, seed)]
+                                                     if control_outputs is not None else [])
     try:
-        scored = asyncio.run(score_all(reference, chosen, concurrency, timeout_s))
+        scored = asyncio.run(_score_sides(reference, chosen, audit.concurrency, timeout_s))
     except (*ANSWER_ERRORS, KeyError, ValueError) as exc:
         raise ReferenceFailed(f"the reference server failed while auditing tokens: {type(exc).__name__}: {exc}") \
             from None
-    values, violations, positions = [], [], 0
-    for output, scores in zip(chosen, scored):
-        for index, p in enumerate(scores):
-            positions += 1
-            if p.token == p.top1:
-                continue
-            values.append(p.deficit)
-            if p.deficit > tolerance_nats:
-                violations.append(Violation(repetition=output.repetition, request=output.request, position=index,
-                                            returned=p.token, expected=p.top1, deficit_nats=round(p.deficit, 6)))
-    return TokenAudit(candidate=candidate, confirmation=confirmation, calibration=calibration,
-                      requests=len(chosen), of_requests=len(outputs), tokens=positions, tolerance_nats=tolerance_nats,
-                      deficits=deficits_of(values, positions), violation_count=len(violations),
-                      violations=violations[:MAX_RECORDED_VIOLATIONS], sample_seed=seed,
-                      seconds=round(time.perf_counter() - started, 3))
+    side = side_of(chosen[0], scored[0])
+    control = side_of(chosen[1], scored[1]) if control_outputs is not None else None
+    violations = violations_of(chosen[0], scored[0], audit.hard_bound_nats)
+    verdict = None if is_calibration else judge(side, control, calibration.side if calibration else None,
+                                                audit.hard_bound_nats, audit.rate_ratio, confidence)
+    if verdict is not None and calibration is not None:
+        verdict.calibration_seed = calibration.sample_seed
+    return TokenAudit(candidate=candidate, confirmation=confirmation, calibration=is_calibration,
+                      requests=side.requests, of_requests=len(outputs), tokens=side.tokens,
+                      tolerance_nats=audit.hard_bound_nats, deficits=deficits_of(side.values, side.tokens),
+                      violation_count=len(violations), violations=violations[:MAX_RECORDED_VIOLATIONS],
+                      sample_seed=seed, seconds=round(time.perf_counter() - started, 3), side=side, control=control,
+                      verdict=verdict)
+
+
+def calibration_refusal(audit: TokenAudit, rule: Audit) -> str:
+    """Why the A/A refuses the run ('' when it does not): a position beyond the hard bound, or a share of non-top-1
+    tokens above audit.max_aa_rate. Honest numerics, however noisy, start the run."""
+    rate = audit.deficits.non_top1 / audit.tokens if audit.tokens else 0.0
+    if audit.violation_count:
+        v = audit.violations[0]
+        return (f"{audit.violation_count} of {audit.tokens} tokens lie more than {audit.tolerance_nats:g} nats below "
+                f"the reference's top-1 (max {audit.deficits.max:.3f}; first: pass {v.repetition}, request "
+                f"{v.request}, position {v.position})")
+    if rate > rule.max_aa_rate:
+        return (f"{audit.deficits.non_top1} of {audit.tokens} tokens ({rate:.1%}) are not the reference's top-1, "
+                f"more than audit.max_aa_rate {rule.max_aa_rate:.0%}")
+    return ""
+
+
+def calibration_summary(audit: TokenAudit) -> str:
+    rate = audit.deficits.non_top1 / audit.tokens if audit.tokens else 0.0
+    kind = "exact" if not audit.deficits.non_top1 else "honest numerics"
+    return (f"audit A/A: {kind}: {audit.deficits.non_top1} of {audit.tokens} tokens ({rate:.1%}) not the reference's "
+            f"top-1, max deficit {audit.deficits.max:.3f} nats (hard bound {audit.tolerance_nats:g})")
 
 
 def audit_passed(audit: TokenAudit) -> bool:
-    """The rule, in one place: no position more than tolerance_nats below the reference's top-1."""
-    return audit.violation_count == 0 and audit.deficits.max <= audit.tolerance_nats
+    """A candidate's audit passed: the rule's verdict; in traces written before it, no position beyond the
+    tolerance. The A/A (calibration) passes unless a position lies beyond the hard bound."""
+    if audit.verdict is not None:
+        return audit.verdict.passed
+    return audit.violation_count == 0 and audit.deficits.max <= audit.tolerance_nats + \
+        (EPSILON_NATS if audit.side is not None else 0.0)
 
 
 def describe(audit: TokenAudit) -> str:
+    if audit.verdict is not None:
+        text = audit.verdict.reason
+        if audit.violations and not audit.verdict.passed:
+            v = audit.violations[0]
+            text += (f"; first beyond the bound: pass {v.repetition}, request {v.request}, position {v.position}: "
+                     f"returned {v.returned}, reference top-1 {v.expected}, {v.deficit_nats:.3f} nats below")
+        return text
     if audit_passed(audit):
         return (f"{audit.tokens} tokens under load, 0 violations, max deficit {audit.deficits.max:.3f} nats, "
                 f"tol {audit.tolerance_nats:g}")
@@ -137,5 +257,11 @@ def describe(audit: TokenAudit) -> str:
 
 def trailer(audits: list[TokenAudit]) -> str:
     """The `Nightshift-Audit` trailer of a kept commit: every audit of the candidate together."""
-    return (f"{sum(a.tokens for a in audits)} tokens under load, {sum(a.violation_count for a in audits)} violations, "
+    text = (f"{sum(a.tokens for a in audits)} tokens under load, {sum(a.violation_count for a in audits)} violations, "
             f"max deficit {max(a.deficits.max for a in audits):.3f} nats, tol {audits[-1].tolerance_nats:g}")
+    judged = [a for a in audits if a.verdict is not None and a.control is not None]
+    if judged:
+        text += (f"; {sum(a.deficits.non_top1 for a in judged)} not top-1 against the control's "
+                 f"{sum(a.control.non_top1 for a in judged)} of {sum(a.control.tokens for a in judged)}, "
+                 f"rate ratio <= {judged[-1].verdict.rate_ratio:g}")
+    return text

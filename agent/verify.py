@@ -246,8 +246,9 @@ class Cells:
             comparison = asyncio.run(bench.compare(run, self.baseline, self.head, self.vocab, seeds))
             parity = self.parity(cell)
             a = task.audit
-            token_audit = run_audit(0, self.reference, comparison.outputs("candidate"), a.tolerance_nats, a.sample,
-                                    a.concurrency, task.benchmark.request_timeout_s)
+            token_audit = run_audit(0, self.reference, comparison.outputs("candidate"), a,
+                                    task.benchmark.request_timeout_s, task.acceptance.confidence,
+                                    comparison.outputs("incumbent"))
         except (bench.WorkMismatch, bench.HarnessBound, ReferenceFailed, RuntimeError, *ANSWER_ERRORS) as exc:
             return {**result, "status": "failed", "reason": f"{type(exc).__name__}: {exc}", "regression": False}
         samples = comparison.samples
@@ -261,7 +262,7 @@ class Cells:
                 "regression": primary["ci_high"] < 1.0, "improvement": primary["ci_low"] > 1.0,
                 "relative": primary["speedup"], "baseline": side([s for s in samples if s.role == "incumbent"], prompts),
                 "head": side([s for s in samples if s.role == "candidate"], prompts), "speedup": gains,
-                "parity": parity, "audit": token_audit.model_dump(exclude={"violations"})
+                "parity": parity, "audit": token_audit.model_dump(exclude={"violations", "side", "control"})
                 | {"passed": audit_ok, "first_violation": describe(token_audit) if not audit_ok else ""},
                 "samples": [s.model_dump(include={"role", "repetition", "seconds", "input_tokens", "output_tokens",
                                                   "total_tokens_per_s", "output_tokens_per_s", "ttft_ms_p50",
@@ -315,7 +316,8 @@ def verify(target: Target, input_lens: list[int], output_lens: list[int], concur
                      "max_model_len": plan.max_model_len, "kv_cache_bytes": plan.kv_cache_bytes,
                      "kv_bytes_per_token": plan.kv_bytes_per_token, "notes": plan.notes},
             "metric": "total_token_throughput", "confidence": task.acceptance.confidence,
-            "parity_regime": task.parity.regime, "audit_tolerance_nats": task.audit.tolerance_nats,
+            "parity_regime": task.parity.regime, "audit_tolerance_nats": task.audit.hard_bound_nats,
+            "audit_rate_ratio": task.audit.rate_ratio,
             "seconds": round(time.time() - started, 1), "cells": results}
     data["regressions"] = [c["key"] for c in results if c.get("regression")]
     data["failed"] = [c["key"] for c in results if c["status"] == "failed"]

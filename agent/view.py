@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from agent.task import Task
+from agent.token_audit import calibration_summary
 
 STAGE_AFTER = {"run_started": "starting baseline servers", "self_parity": "self-parity checked",
                "proposal": "applying", "patch_applied": "building", "build": "starting server + parity",
@@ -105,6 +106,8 @@ class LiveView:
                 self.best *= event.speedup
         if event.kind == "llm_call":
             self.spend += event.cost_usd
+        if event.kind == "audit" and event.calibration:
+            self.last = calibration_summary(event)
         if event.kind == "noise_floor":
             self.last = noise_line(event)
             if event.warning:
@@ -116,7 +119,8 @@ class LiveView:
         if self.live:
             self.live.update(self.render())
         else:
-            self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {event.kind} {self.last if event.kind == 'decision' else ''}")
+            shown = event.kind == "decision" or (event.kind == "audit" and event.calibration)
+            self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {event.kind} {self.last if shown else ''}")
 
     def __enter__(self):
         if self.live:

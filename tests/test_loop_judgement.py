@@ -162,26 +162,28 @@ def test_a_candidate_exact_alone_and_wrong_in_batches_is_rejected_at_the_audit(r
     assert not [e for e in records if e.kind == "benchmark" and e.confirmation == 1]  # no confirmation spent
     assert finished.kept == 0 and audit(setup.run_dir).commits == 0
     calibration = next(e for e in records if e.kind == "audit" and e.calibration)
-    assert calibration.violation_count == 0 and calibration.tokens == 8 * 16
+    assert calibration.violation_count == 0 and calibration.tokens == token_audit.tokens  # the A/A is as large
+    assert token_audit.verdict.test == "hard_bound" and token_audit.control.non_top1 == 0
 
 
-def test_tokens_that_differ_only_at_near_ties_are_kept_with_the_audit_on_the_branch(run):
+def test_near_tie_flips_where_honest_numerics_flip_none_are_rejected_by_rate(run):
+    """The baseline here is exact under load (its A/A and every control: no token off the top-1); a faster
+    candidate that flips near-ties under load (deficits under 0.1 nats, far inside the hard bound) leaves the
+    top-1 far more often than anything honest measured in this run: rejected at the audit by the rate test.
+    (tests/test_audit_rule.py keeps honest candidates whose noise matches a noisy machine's.)"""
     setup, loop = run({
         "1-neartie.patch": new_file_patch("vllm/fake_mode_1.json", mode("neartie", 0.0025, near_tie=0.1),
                                           "faster, flips near-ties in batches"),
     }, benchmark={"warmup_requests": 2, "repetitions": 8, "request_timeout_s": 10, "max_client_busy": 1.0})
-    # 8 pairs, not 5: a keep must be confirmed, and one stalled pass of 5 on a busy 2-core host can sink it
     finished = loop.run()
     decision = decisions(setup)[1]
-    assert decision.verdict == "keep", decision.reason
-    audits = [r.event for r in read_trace(setup.run_dir / "trace.jsonl") if r.event.kind == "audit"
-              and r.event.candidate == 1]
-    assert [a.confirmation for a in audits] == [0, 1]
-    assert all(a.violation_count == 0 and 0 < a.deficits.non_top1 and a.deficits.max < 0.1 for a in audits)
-    commit = git.Repo(setup.repo.working_dir).commit(setup.workspace.head())
-    assert f"Nightshift-Audit: {sum(a.tokens for a in audits)} tokens under load, 0 violations, max deficit " \
-        in commit.message
-    assert finished.kept == 1 and audit(setup.run_dir).commits == 1
+    assert (decision.verdict, decision.stage) == ("discard", "audit"), decision.reason
+    token_audit = next(r.event for r in read_trace(setup.run_dir / "trace.jsonl") if r.event.kind == "audit"
+                       and r.event.candidate == 1)
+    assert token_audit.violation_count == 0 and 0 < token_audit.deficits.non_top1 and token_audit.deficits.max < 0.1
+    assert token_audit.verdict.test == "rate" and token_audit.control.non_top1 == 0
+    assert "more than 2x the control's 0 of" in decision.reason
+    assert finished.kept == 0 and audit(setup.run_dir).commits == 0
 
 
 def test_a_reference_that_dies_during_the_audit_stops_the_run_and_blames_no_one(run):
@@ -190,11 +192,11 @@ def test_a_reference_that_dies_during_the_audit_stops_the_run_and_blames_no_one(
     })
     original = loop.audit
 
-    def audit_after_the_reference_died(n, outputs, confirmation=0, calibration=False):
+    def audit_after_the_reference_died(n, outputs, confirmation=0, calibration=False, control=None):
         if not calibration:
             loop.reference.process.kill()
             loop.reference.process.wait()
-        return original(n, outputs, confirmation, calibration)
+        return original(n, outputs, confirmation, calibration, control)
 
     loop.audit = audit_after_the_reference_died
     with pytest.raises(ReferenceFailed, match="failed while auditing tokens"):

@@ -234,6 +234,46 @@ class Deficits(BaseModel):
     p99: float
 
 
+class AuditSide(BaseModel):
+    """One side's audited outputs: how often, and how far, its tokens left the reference's top-1."""
+
+    requests: int
+    tokens: int
+    non_top1: int
+    per_request: list[int]
+    """Positions not the reference's top-1, per audited request (in the order drawn)."""
+    request_tokens: list[int]
+    """Positions audited per request."""
+    values: list[float]
+    """Every non-top-1 position's deficit (nats, rounded to 1e-4), in order."""
+
+
+class AuditVerdict(BaseModel):
+    """The audit rule's decision for one candidate benchmark (agent/token_audit.py `judge`): a hard bound on any
+    position, then the candidate's rate of non-top-1 tokens against the honest rate measured beside it."""
+
+    passed: bool
+    test: Literal["pass", "hard_bound", "rate", "concentration"]
+    """The first part of the rule that rejected, or `pass`."""
+    reason: str
+    hard_bound_nats: float
+    rate_ratio: float
+    """The candidate's non-top-1 rate may be up to this multiple of the reference rate."""
+    alpha: float
+    reference: Literal["control", "calibration", "none"]
+    """Whose rate is the reference: the larger of the control's (the incumbent in the same benchmark) and the
+    run's A/A (calibration)."""
+    reference_non_top1: int
+    reference_tokens: int
+    rate_p_value: float
+    """One-sided, exact: P(X >= candidate's count) for X ~ Binomial(both counts, rate_ratio-weighted share)."""
+    calibration_seed: int | None = None
+    """The sample_seed of the A/A audit whose rate was considered (the trace's TokenAudit with calibration)."""
+    concentration_p_value: float
+    """Bonferroni over requests: the most non-top-1 positions in one request against Binomial(its tokens,
+    rate_ratio x the reference rate, floored at one position per request)."""
+
+
 class TokenAudit(Event):
     """The benchmark's own outputs, scored teacher-forced on the trusted reference (agent/token_audit.py).
     With `calibration`, the baseline's outputs under the benchmark load (the A/A that calibrates the tolerance)."""
@@ -246,6 +286,7 @@ class TokenAudit(Event):
     of_requests: int
     tokens: int
     tolerance_nats: float
+    """The hard bound (audit.hard_bound_nats): a position further than this below the top-1 is a violation."""
     deficits: Deficits
     violation_count: int
     violations: list[Violation] = Field(default_factory=list)
@@ -253,6 +294,13 @@ class TokenAudit(Event):
     sample_seed: int
     """Drawn after the passes ran; recorded so the sample can be checked."""
     seconds: float
+    side: AuditSide | None = None
+    """This audit's own outputs in full (absent in traces written before the rate rule)."""
+    control: AuditSide | None = None
+    """The incumbent's outputs of the same benchmark, drawn and scored the same way."""
+    verdict: AuditVerdict | None = None
+    """The rule's decision; absent on the A/A and in traces written before the rate rule, whose verdict is
+    `violation_count == 0` against `tolerance_nats`."""
 
 
 class Decision(Event):
