@@ -161,3 +161,34 @@ def test_a_pack_whose_vllm_differs_or_whose_branch_went_on_is_refused(task_file,
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     refused = cli("run", "--resume", str(pack), "--runs-dir", str(tmp_path / "d"), "--checkout", str(fake_checkout))
     assert refused.returncode == 2 and "does not contain" in refused.stderr, refused.stderr
+
+
+def test_a_run_told_to_stop_with_sigterm_stops_resumable_and_moves(task_file, fake_checkout, places, tmp_path):
+    """What a spot host's notice does: SIGTERM. The run records a resumable stop, is packed and goes on elsewhere."""
+    host_a, host_b, _ = places
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop(CRASH_ENV, None)
+    runs = host_a / "runs"
+    proc = subprocess.Popen([sys.executable, "-m", "tests.resume_driver", "start", str(task_file), str(runs),
+                             "termed"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    trace = runs / "termed" / "trace.jsonl"
+    deadline = time.monotonic() + 90
+    while not trace.is_file() or b'"kind":"sample"' not in trace.read_bytes():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    last = read_trace(trace)[-1].event
+    assert last.kind == "run_finished" and last.resumable and "SystemExit" in last.reason
+    assert not list((runs / "termed").glob("servers/*/pid"))  # it stopped its own servers
+    assert cli("pack", str(runs / "termed"), str(tmp_path / "run.tgz")).returncode == 0
+    resumed = harness("resume", str(tmp_path / "run.tgz"), str(host_b / "runs"),
+                      str(host_checkout(fake_checkout, host_b / "vllm")), env={"NIGHTSHIFT_CACHE": str(host_b / "c")})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    events = [r.event for r in read_trace(host_b / "runs" / "termed" / "trace.jsonl")]
+    mark = next(e for e in events if e.kind == "resumed")
+    assert mark.after_event == "run_finished" and mark.candidate == 1 and mark.moved.to_run_dir.startswith(
+        str(host_b))
+    assert events[-1].reason == "budget: candidates" and not events[-1].resumable
+    assert sorted(e.candidate for e in events if e.kind == "decision") == [1, 2, 3]
