@@ -13,7 +13,7 @@ from agent.evidence import check_decisions
 from agent.workspace import SERVE_FILE
 from traces import TraceError, read_trace
 from traces.errors import NightshiftError
-from traces.schema import Commit, Decision, PatchApplied, Record, Resumed, RunStarted
+from traces.schema import Commit, Decision, PatchApplied, Record, Resumed, RunFinished, RunStarted
 
 TRAILER = "Nightshift-Trace-Event:"
 BUNDLE = "branch.bundle"
@@ -60,10 +60,10 @@ def audit(run_dir: Path, records: list[Record] | None = None, pending: bool = Fa
     _check_keeps_committed(records, commit_records)
     decisions = check_decisions(records)
     try:
-        repo = _open_repo(Path(run_dir), started)
+        repo = _open_repo(Path(run_dir), records)
         shas = repo.git.rev_list("--reverse", "--first-parent", f"{started.base_commit}..{started.branch}").split()
     except (git.GitError, git.NoSuchPathError) as exc:
-        where = Path(run_dir) / BUNDLE if (Path(run_dir) / BUNDLE).is_file() else started.checkout
+        where = Path(run_dir) / BUNDLE if (Path(run_dir) / BUNDLE).is_file() else checkout_of(records)
         raise BranchUnreadable(f"cannot read branch {started.branch} in {where}: {exc}") from None
     for index, record in enumerate(commit_records):
         event: Commit = record.event
@@ -92,26 +92,41 @@ def audit(run_dir: Path, records: list[Record] | None = None, pending: bool = Fa
     if len(shas) > len(commit_records):
         raise TraceError(len(records), f"branch has {len(shas) - len(commit_records)} commit(s) the trace "
                                        f"does not account for, first {shas[len(commit_records)][:12]}")
-    finished = records[-1].event.kind == "run_finished"
-    notes = [] if finished else ["the run did not finish (no run_finished record): it crashed or is still running"]
+    last = records[-1].event
+    finished = isinstance(last, RunFinished) and not last.resumable
+    notes = [] if finished else [f"the run was stopped ({last.reason}) and can go on: nightshift run --resume"
+                                 if isinstance(last, RunFinished) else
+                                 "the run did not finish (no run_finished record): it crashed or is still running"]
     return AuditResult(records=len(records), commits=len(commit_records), finished=finished, notes=notes,
                        decisions=decisions, pending_commit=pending_commit)
 
 
 def _tail(records: list[Record]) -> Record:
-    """The last record that is not a `resumed` one: a keep there may still be committed by a resumed run."""
-    return next((r for r in reversed(records) if not isinstance(r.event, Resumed)), records[0])
+    """The last record that is neither a `resumed` one nor a resumable stop: a keep there may still be committed
+    by a resumed run."""
+    return next((r for r in reversed(records) if not isinstance(r.event, Resumed) and not stopped(r)), records[0])
+
+
+def stopped(record: Record) -> bool:
+    """A `run_finished` record of a run that was stopped, not ended: it may go on (`run --resume`)."""
+    return isinstance(record.event, RunFinished) and record.event.resumable
+
+
+def checkout_of(records: list[Record]) -> str:
+    """The vLLM checkout that holds the run's branch now: where it started, or where it last moved to."""
+    moves = [r.event.moved for r in records if isinstance(r.event, Resumed) and r.event.moved is not None]
+    return moves[-1].to_checkout if moves else records[0].event.checkout
 
 
 def trace_event_of(message: str) -> str:
     return next((l.split(":", 1)[1].strip() for l in message.splitlines() if l.startswith(TRAILER)), "")
 
 
-def _open_repo(run_dir: Path, started: RunStarted) -> git.Repo:
+def _open_repo(run_dir: Path, records: list[Record]) -> git.Repo:
     """The run's checkout; for a packed run (`nightshift pack`), a temporary bare repo of its bundle."""
     bundle = run_dir / BUNDLE
     if not bundle.is_file():
-        return git.Repo(started.checkout)
+        return git.Repo(checkout_of(records))
     folder = tempfile.mkdtemp(prefix="nightshift-bundle-")
     repo = git.Repo.init(folder, bare=True)
     weakref.finalize(repo, shutil.rmtree, folder, True)

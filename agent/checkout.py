@@ -11,6 +11,9 @@ from agent.paths import cache_root
 from traces.errors import NightshiftError
 
 COMPILED_SUFFIXES = (".so", ".pyd", ".dylib")
+FIXED_DATE = "2000-01-01T00:00:00+0000"
+"""The checkout's one commit is dated so that the same installed vLLM gives the same commit on every host: a run
+moved to another host (agent/move.py) finds its base commit in a checkout made there."""
 IGNORED = ["*.so", "*.pyd", "*.dylib", "__pycache__/", "*.pyc", "/*.dist-info/", "/.nightshift/"]
 
 
@@ -61,7 +64,8 @@ def create_checkout(dest: Path | None = None) -> tuple[Path, str]:
         config.set_value("user", "name", "nightshift")
         config.set_value("user", "email", "nightshift@localhost")
     repo.git.add("-A")
-    repo.git.commit("-q", "-m", f"vLLM {version}: sources of the installed package")
+    repo.git.commit("-q", "-m", f"vLLM {version}: sources of the installed package",
+                    env={"GIT_AUTHOR_DATE": FIXED_DATE, "GIT_COMMITTER_DATE": FIXED_DATE})
     repo.create_tag(version_tag(version))
     staging.rename(dest)
     return dest, version

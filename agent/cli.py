@@ -52,7 +52,8 @@ def run(
     proposer: Optional[str] = typer.Option(None, help="override the task's proposer: flags or queue"),
     patches: Optional[Path] = typer.Option(None, help="patch folder for --proposer queue"),
     max_candidates: Optional[int] = typer.Option(None, help="override budget.max_candidates"),
-    checkout: Optional[Path] = typer.Option(None, help="override target.checkout"),
+    checkout: Optional[Path] = typer.Option(None, help="override target.checkout; with --resume of a pack, the "
+                                            "checkout its branch goes on in (default: the installed vLLM's)"),
     settings: list[str] = typer.Option([], "--set", help="override a task field, e.g. --set workload.input_len=8192 "
                                        "(repeatable; values are YAML)"),
     quiet: bool = typer.Option(False, help="no live view"),
@@ -60,8 +61,9 @@ def run(
                                           "(sandbox.workers; docs/parallel.md)"),
     detach: bool = typer.Option(False, help="run in the background: print the run id and its log, return at once"),
     run_id: Optional[str] = typer.Option(None, hidden=True),
-    resume: Optional[str] = typer.Option(None, help="continue a run whose harness was killed (run id or folder), "
-                                                    "with its recorded task"),
+    resume: Optional[str] = typer.Option(None, help="continue a run whose harness was killed or stopped (run id, "
+                                                    "folder, or a pack from `nightshift pack`), with its recorded "
+                                                    "task"),
 ):
     """Run an optimization task; ends with a branch nightshift/<run-id> and runs/<run-id>/."""
     from agent.preflight import check_run
@@ -69,16 +71,18 @@ def run(
     from agent.setup import new_run_id, prepare_run
 
     if resume:
-        if settings or proposer or patches or max_candidates or checkout or run_id or workers is not None:
-            fail("--resume continues the run with its recorded task; it takes no task options")
+        if settings or proposer or patches or max_candidates or run_id or workers is not None:
+            fail("--resume continues the run with its recorded task; it takes no task options (only --checkout)")
+        checkout = checkout and checkout.resolve()
         if detach:
             from agent.resume import check_resumable
 
             run_dir = check_resumable(resume, runs_dir)
-            start_detached(["run", "--resume", str(run_dir), "--runs-dir", str(runs_dir.resolve()), "--quiet"],
+            start_detached(["run", "--resume", str(run_dir), "--runs-dir", str(runs_dir.resolve()), "--quiet",
+                            *(["--checkout", str(checkout)] if checkout else [])],
                            run_dir.parent / f"{run_dir.name}.log", run_dir.name, append=True)
             return
-        resume_loop(resume, runs_dir, quiet)
+        resume_loop(resume, runs_dir, quiet, checkout=checkout)
         return
     if workers is not None and workers < 1:
         fail(f"--workers {workers}: a run needs at least one worker (1 is the single-process loop)")
@@ -133,11 +137,13 @@ def start_detached(argv: list[str], log: Path, run_id: str, append: bool = False
 
 
 def resume_loop(run: str, runs_dir: Path, quiet: bool, vllm_version: str | None = None, sandbox=None,
-                worker_sandbox=None) -> None:
+                worker_sandbox=None, checkout: Path | None = None) -> None:
+    """`sandbox`: the run's sandbox, or a callable making it for the run folder (default: the task's backend)."""
     from agent.resume import describe, resume_run
 
     started = time.monotonic()
-    setup, proposer, sandbox, state = resume_run(run, runs_dir, vllm_version=vllm_version, sandbox=sandbox)
+    setup, proposer, sandbox, state = resume_run(run, runs_dir, vllm_version=vllm_version, sandbox=sandbox,
+                                                 checkout=checkout)
     console.print(f"run [bold]{setup.run_id}[/bold] {escape(describe(state.event))} "
                   f"(checked in {time.monotonic() - started:.1f} s)", soft_wrap=True)
     run_loop(setup, proposer, quiet, sandbox=sandbox, resume=state, worker_sandbox=worker_sandbox)
@@ -163,7 +169,8 @@ def run_loop(setup, proposer, quiet: bool, sandbox=None, resume=None, worker_san
                 finished = Loop(setup, proposer, on_event=view.update, sandbox=sandbox, resume=resume).run()
     except NightshiftError as exc:
         write_summary(setup.run_dir)
-        fail(f"run stopped at {exc.stage}: {exc} (the trace up to here: {trace})", 1)
+        fail(f"run stopped at {exc.stage}: {exc} (the trace up to here: {trace}); the run can go on: "
+             f"nightshift run --resume {setup.run_dir}", 1)
     except Exception:
         write_summary(setup.run_dir)
         errors.print(f"the run stopped on a bug (the trace up to here: {trace})")

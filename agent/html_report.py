@@ -59,7 +59,7 @@ def _events(records: list[Record], kind: str) -> list:
 def glance(records: list[Record], verify: dict | None) -> str:
     started: RunStarted = records[0].event
     task = started.task
-    finished = next((r.event for r in records if isinstance(r.event, RunFinished)), None)
+    finished = next((r.event for r in reversed(records) if isinstance(r.event, RunFinished)), None)
     budget = task.get("budget", {})
     decisions = _events(records, "decision")
     elapsed = finished.seconds if finished else records[-1].time - records[0].time
@@ -140,7 +140,7 @@ def speedups(records: list[Record], figs: Figures) -> str:
             times.append((record.time - records[0].time) / 60)
             values.append(total)
             labels.append(f"#{record.event.candidate} {record.event.commit[:8]}")
-    end = next((r for r in records if isinstance(r.event, RunFinished)), records[-1])
+    end = next((r for r in reversed(records) if isinstance(r.event, RunFinished)), records[-1])
     times.append((end.time - records[0].time) / 60)
     values.append(total)
     labels.append("end")
@@ -273,7 +273,7 @@ def diffs(run_dir: Path, records: list[Record]) -> str:
     if not commits:
         return out[0] + "<p class=note>no commit was kept: the branch did not move</p>"
     try:
-        repo = _open_repo(run_dir, records[0].event)
+        repo = _open_repo(run_dir, records)
     except (git.GitError, git.NoSuchPathError) as exc:
         return out[0] + f"<p class=bad>the branch cannot be read: {_e(exc)}</p>"
     for commit in commits:

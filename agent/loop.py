@@ -32,7 +32,7 @@ from agent.workspace import ApplyError, serve_args_at
 from sandbox import make_sandbox
 from sandbox.base import Sandbox, SandboxError, Server
 from sandbox.host import describe_snapshot, server_snapshot
-from traces.errors import NightshiftError
+from traces.errors import NightshiftError, leaves_resumable
 from traces.schema import (AnyEvent, BenchReport, Commit, Decision, PatchApplied, Proposal, RunFinished, SampleTaken,
                            IncumbentRestarted, SelfParity, Stage, TokenAudit)
 
@@ -96,6 +96,7 @@ class Loop:
 
     def run(self) -> RunFinished:
         started, reason = time.time() - (self.resume.spent_s if self.resume else 0.0), "budget: candidates"
+        resumable = False
         try:
             with self.pool:
                 if finishing := self.start():
@@ -110,12 +111,13 @@ class Loop:
                         reason = f"{'proposer failed' if exc.kind == 'fatal' else 'proposer exhausted'}: {exc}"
                         break
         except BaseException as exc:
-            reason = f"error: {type(exc).__name__}: {exc}"
+            reason, resumable = f"error: {type(exc).__name__}: {exc}", leaves_resumable(exc)
             raise
         finally:
             finished = RunFinished(reason=reason, candidates=len(self.history), kept=self.kept,
                                    best_speedup=self.best_speedup, head_commit=self.s.workspace.head(),
-                                   seconds=round(time.time() - started, 1), spend_usd=float(self.proposer.spend_usd))
+                                   seconds=round(time.time() - started, 1), spend_usd=float(self.proposer.spend_usd),
+                                   resumable=resumable)
             self.emit(finished)
         return finished
 
@@ -126,7 +128,7 @@ class Loop:
         spent before the kill skips the baseline phase and returns why."""
         self.emit(self.resume.event if self.resume else self.s.run_started())
         if self.resume:
-            self.resume.settle_keep(self.s, self.emit)
+            self.resume.settle(self.s, self.emit)
             if self.resume.event.finishing:
                 return self.resume.event.finishing
         self.baseline()

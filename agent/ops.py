@@ -5,6 +5,7 @@ import hashlib
 import io
 import itertools
 import json
+import socket
 import tarfile
 import tempfile
 import time
@@ -15,8 +16,11 @@ import git
 from pydantic import BaseModel
 from rich.table import Table
 
-from agent.audit import BUNDLE
-from sandbox.host import running
+from agent.audit import BUNDLE, checkout_of
+from agent.move import traced_place
+from agent.paths import cache_root
+from agent.setup import HARNESS_FILE
+from sandbox.host import owner_alive, running
 from traces.errors import NightshiftError
 from traces.log import parse_trace, read_trace_so_far
 from traces.schema import Commit, Decision, Record, RunFinished, RunStarted
@@ -79,10 +83,12 @@ def run_status(run_dir: Path, now: float | None = None) -> RunStatus:
     for decision in decisions:
         if decision.candidate in committed and decision.speedup:
             best *= decision.speedup
-    finished = last if isinstance(last, RunFinished) else None
+    finished = last if isinstance(last, RunFinished) and not last.resumable else None
     elapsed = finished.seconds if finished else now - records[0].time
     in_progress = "finished" if finished else IN_PROGRESS.get(last.kind, last.kind)
-    if last.kind == "parity" and not last.ok:
+    if isinstance(last, RunFinished) and last.resumable:
+        in_progress = f"stopped ({last.reason}); it goes on with nightshift run --resume"
+    elif last.kind == "parity" and not last.ok:
         in_progress = "recording the rejection"
     elif last.kind == "decision" and last.verdict == "keep":
         in_progress = "committing"
@@ -112,6 +118,8 @@ def status_table(status: RunStatus) -> Table:
     concerns = f" (candidate {status.candidate})" if status.candidate else ""
     if status.finished:
         state = f"[green]finished[/green]: {status.finish_reason}"
+    elif status.last_event == "run_finished":
+        state = f"[yellow]stopped[/yellow]: {status.in_progress}"
     elif status.harness_alive is False:
         state = (f"[red]stopped[/red]: the run's process (pid {status.harness_pid}) is gone without a "
                  f"run_finished record; it was {status.in_progress}{concerns}")
@@ -156,10 +164,13 @@ def pack_run(run_dir: Path, dest: Path, settle_s: float = 10.0) -> dict:
         name = "nightshift.log" if log == detached else log.relative_to(run_dir).as_posix()
         logs[name], files[f"{name}.head"], files[f"{name}.tail"] = _head_tail(log)
     started: RunStarted = records[0].event
-    files[BUNDLE] = _bundle(started, head)
+    files[BUNDLE] = _bundle(started, checkout_of(records), head)
+    harness = (run_dir / HARNESS_FILE).read_text().strip() if (run_dir / HARNESS_FILE).is_file() else ""
     manifest = {"run_id": started.run_id, "branch": started.branch, "base_commit": started.base_commit,
                 "head_commit": head, "records": len(records), "finished": records[-1].event.kind == "run_finished",
                 "packed_at": time.time(), "log_lines": logs,
+                "host": socket.gethostname(), "run_dir": str(run_dir.resolve()), "checkout": checkout_of(records),
+                "cache": traced_place(records)["cache"] or str(cache_root()), "harness": harness, "harness_alive": bool(harness) and owner_alive(harness),
                 "files": {name: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
                           for name, data in sorted(files.items())}}
     files["manifest.json"] = json.dumps(manifest, indent=2).encode()
@@ -197,17 +208,17 @@ def _consistent_snapshot(run_dir: Path, settle_s: float) -> tuple[bytes, list[Re
         commits = [r.event.commit for r in records if isinstance(r.event, Commit)]
         expected = commits[-1] if commits else started.base_commit
         try:
-            head = git.Repo(started.checkout).git.rev_parse(f"refs/heads/{started.branch}")
+            head = git.Repo(checkout_of(records)).git.rev_parse(f"refs/heads/{started.branch}")
         except (git.GitError, git.NoSuchPathError) as exc:
-            raise PackError(f"cannot read branch {started.branch} in {started.checkout}: {exc}") from None
+            raise PackError(f"cannot read branch {started.branch} in {checkout_of(records)}: {exc}") from None
         if head == expected or time.time() > deadline:
             return data, records, head
         time.sleep(0.5)
 
 
-def _bundle(started: RunStarted, head: str) -> bytes:
+def _bundle(started: RunStarted, checkout: str, head: str) -> bytes:
     """The run branch at HEAD with its whole history, so that `git clone` of it works on its own."""
-    repo = git.Repo(started.checkout)
+    repo = git.Repo(checkout)
     with tempfile.TemporaryDirectory(prefix="nightshift-pack-") as tmp:
         path = Path(tmp) / BUNDLE
         repo.git.bundle("create", "--quiet", str(path), f"refs/heads/{started.branch}")

@@ -21,6 +21,7 @@ from agent.setup import RunSetup
 from agent.cluster import import_ray, preflight
 from agent.worker import Worker, WorkerResult, plain_setup
 from sandbox.local import reap_servers
+from traces.errors import leaves_resumable
 from traces.schema import AnyEvent, Commit, Decision, Proposal, Remeasured, RunFinished
 
 if TYPE_CHECKING:
@@ -96,10 +97,11 @@ class Parallel:
 
     def run(self) -> RunFinished:
         started, reason = time.time() - (self.resume.spent_s if self.resume else 0.0), "budget: candidates"
+        resumable = False
         try:
             self.emit(self.resume.event if self.resume else self.s.run_started())
             if self.resume:
-                self.resume.settle_keep(self.s, self.emit)
+                self.resume.settle(self.s, self.emit)
                 self.head = self.s.workspace.head()
             if self.resume and self.resume.event.finishing:
                 reason = self.resume.event.finishing
@@ -108,14 +110,14 @@ class Parallel:
                 self.start_workers(ray)
                 reason = self.schedule(ray, started) or reason
         except BaseException as exc:
-            reason = f"error: {type(exc).__name__}: {exc}"
+            reason, resumable = f"error: {type(exc).__name__}: {exc}", leaves_resumable(exc)
             raise
         finally:
             self.close()
             finished = RunFinished(reason=reason, candidates=len(self.history), kept=self.kept,
                                    best_speedup=self.best_speedup, head_commit=self.s.workspace.head(),
                                    seconds=round(time.time() - started, 1), spend_usd=float(self.proposer.spend_usd),
-                                   gpu_hours=round(self.gpu_hours(), 4))
+                                   gpu_hours=round(self.gpu_hours(), 4), resumable=resumable)
             self.emit(finished)
         return finished
 

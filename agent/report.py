@@ -34,7 +34,7 @@ def _audits(records) -> dict[int, list[TokenAudit]]:
 def write_summary(run_dir: Path) -> str:
     records = read_trace(Path(run_dir) / "trace.jsonl")
     candidates = _by_candidate(records)
-    finished = next((r.event for r in records if isinstance(r.event, RunFinished)), None)
+    finished = next((r.event for r in reversed(records) if isinstance(r.event, RunFinished)), None)
     audits = _audits(records)
     rows, measurements = [], []
     for n, events in sorted(candidates.items()):

@@ -9,6 +9,9 @@ baseline phase runs again, and the candidate in flight at the kill is evaluated 
 proposal. A keep decided but not recorded as committed is committed exactly once: found on the branch by its
 `Nightshift-Trace-Event` trailer, or made. A parallel run (agent/parallel.py) resumes the same way, with every
 candidate that was in flight evaluated again and its dead workers (on this host) and their servers reaped.
+A run stopped rather than ended (a check refused at its start, a signal: a resumable `run_finished`) resumes the
+same way. A pack of the run (`nightshift pack`), or its unpacked folder, resumes on a host that has never seen it
+(agent/move.py): the `resumed` record's `moved` says from where to where.
 """
 from __future__ import annotations
 
@@ -21,9 +24,10 @@ from pathlib import Path
 
 import git
 
-from agent.audit import audit, resolve_run
+from agent.audit import audit, resolve_run, stopped
 from agent.checkout import installed_vllm, open_checkout
 from agent.checkpoint import cache_root, prepare_model
+from agent.move import Arrival, is_pack, moved, place_checkout, refuse_if_alive_here, settled, unpack
 from agent.commits import commit_message
 from agent.proposers import Proposer, make_proposer
 from agent.proposers.base import Attempt
@@ -83,8 +87,11 @@ class Resumption:
             self.redo.remove(proposal)
         return proposal
 
-    def settle_keep(self, setup: RunSetup, emit) -> None:
-        """Record the pending keep's commit: the one on the branch, or one made now. Never two for a decision."""
+    def settle(self, setup: RunSetup, emit) -> None:
+        """What is left once the resumed record is on disk: a pack's bundle is dropped (the branch is in the
+        checkout now), and the pending keep's commit recorded: the one on the branch, or one made now. Never two
+        for a decision."""
+        settled(setup.run_dir)
         p, self.pending = self.pending, None
         if p is None:
             return
@@ -183,8 +190,11 @@ def _pending(records: list[Record], decision: Record, proposal: Proposal) -> Pen
     return PendingKeep(decision, proposal, applied, parity[-1].digest, audits)
 
 
-def open_run(run_dir: Path, started: RunStarted, vllm_version: str | None, lock) -> RunSetup:
-    """The run's setup again, from its first record: same checkout, branch, model and vLLM."""
+def open_run(run_dir: Path, records: list[Record], vllm_version: str | None, lock,
+             checkout: Path | None = None) -> RunSetup:
+    """The run's setup again, from its first record: same branch, model and vLLM, in its checkout (a pack's
+    branch brought into this host's checkout first)."""
+    started: RunStarted = records[0].event
     task = parse_task(started.task, f"{run_dir / 'trace.jsonl'} (run_started.task)")
     linked = vllm_version is None
     version = installed_vllm()[1] if linked else vllm_version
@@ -194,7 +204,7 @@ def open_run(run_dir: Path, started: RunStarted, vllm_version: str | None, lock)
     if model.sha256 != started.model_sha256:
         raise ResumeRefused(f"the model's weights are not the run's (sha256 {model.sha256[:12]}, the run had "
                             f"{started.model_sha256[:12]})")
-    repo = open_checkout(Path(started.checkout), version)
+    repo = open_checkout(place_checkout(run_dir, records, version, checkout, linked), version)
     vocab_size = int(json.loads((model.path / "config.json").read_text())["vocab_size"])
     workspace = Workspace(repo, started.run_id, run_dir / "worktrees")
     seed = cache_root() / "compile-caches" / f"vllm-{version}"
@@ -206,8 +216,8 @@ def open_run(run_dir: Path, started: RunStarted, vllm_version: str | None, lock)
 def refuse_unless_resumable(run_dir: Path, records: list[Record]):
     """The run's audit result; raises ResumeRefused if it finished, fails the audit or its branch is unreadable."""
     started: RunStarted = records[0].event
-    finished = next((r for r in records if isinstance(r.event, RunFinished)), None)
-    if finished is not None:
+    finished = next((r for r in reversed(records) if isinstance(r.event, RunFinished)), None)
+    if finished is not None and not stopped(finished):
         raise ResumeRefused(f"run {started.run_id} already finished (record {finished.seq + 1}: "
                             f"{finished.event.reason}); there is nothing to resume")
     try:
@@ -219,35 +229,43 @@ def refuse_unless_resumable(run_dir: Path, records: list[Record]):
         raise ResumeRefused(f"cannot read the run's branch: {exc}") from None
 
 
-def _open_checked(run: str, runs_dir: Path):
-    """The run folder, its lock, its trace as read for resuming, and the checks' findings; a refusal lets go of
-    the lock before it is raised."""
-    run_dir = resolve_run(run, runs_dir).resolve()
-    lock = lock_run(run_dir)
+def _open_checked(run: str, runs_dir: Path, claim: bool = True):
+    """The run folder (a pack is unpacked into RUNS_DIR first), its lock, its trace as read for resuming, and
+    the checks' findings; a refusal lets go of the lock before it is raised."""
+    arrival = unpack(Path(run), runs_dir) if is_pack(run) else Arrival(resolve_run(run, runs_dir).resolve())
+    run_dir = arrival.run_dir
+    refuse_if_alive_here(run_dir)
+    lock = lock_run(run_dir, claim=claim)
     try:
         read = read_for_resume(run_dir / "trace.jsonl")
-        return run_dir, lock, read, refuse_unless_resumable(run_dir, read[0])
+        return arrival, lock, read, refuse_unless_resumable(run_dir, read[0])
     except BaseException:
         lock.close()
         raise
 
 
 def check_resumable(run: str, runs_dir: Path) -> Path:
-    """The run folder, if `run --resume` would take it now (checked read-only; the lock is let go again)."""
-    run_dir, lock, _, _ = _open_checked(run, runs_dir)
+    """The run folder, if `run --resume` would take it now (checked without writing to it; the lock is let go
+    again). A pack is unpacked into RUNS_DIR: the folder is what goes on."""
+    arrival, lock, _, _ = _open_checked(run, runs_dir, claim=False)
     lock.close()
-    return run_dir
+    return arrival.run_dir
 
 
-def resume_run(run: str, runs_dir: Path, vllm_version: str | None = None,
-               sandbox: Sandbox | None = None) -> tuple[RunSetup, Proposer, Sandbox, Resumption]:
+def resume_run(run: str, runs_dir: Path, vllm_version: str | None = None, sandbox=None,
+               checkout: Path | None = None) -> tuple[RunSetup, Proposer, Sandbox, Resumption]:
     """Check the run, rebuild its state, clean up after the dead harness; the trace is touched only once
-    everything checked out (the torn line cut off). Raises ResumeRefused (or another NightshiftError)."""
-    run_dir, lock, (records, torn, keep), checked = _open_checked(run, runs_dir)
+    everything checked out (the torn line cut off). RUN: a run id or folder, or a pack (CHECKOUT: where its
+    branch goes on). SANDBOX: one, or one made for the run folder (a callable). Raises ResumeRefused (or another NightshiftError)."""
+    arrival, lock, (records, torn, keep), checked = _open_checked(run, runs_dir)
+    run_dir = arrival.run_dir
     trace = run_dir / "trace.jsonl"
-    started: RunStarted = records[0].event
     state = rebuild(records)
-    setup = open_run(run_dir, started, vllm_version, lock)
+    try:
+        setup = open_run(run_dir, records, vllm_version, lock, checkout)
+    except BaseException:
+        lock.close()
+        raise
     if state.pending is not None:
         state.pending.found = checked.pending_commit
     proposer = make_proposer(setup.task)
@@ -256,7 +274,7 @@ def resume_run(run: str, runs_dir: Path, vllm_version: str | None = None,
         from agent.cluster import preflight
 
         preflight(setup.task)
-    sandbox = sandbox or make_sandbox(setup.task.sandbox, run_dir)
+    sandbox = sandbox(run_dir) if callable(sandbox) else sandbox or make_sandbox(setup.task.sandbox, run_dir)
     reaped = sandbox.reap() + reap_workers(run_dir)
     removed = setup.workspace.remove_under(run_dir)  # the dead harness's, its workers' too
     if torn:
@@ -273,13 +291,17 @@ def resume_run(run: str, runs_dir: Path, vllm_version: str | None = None,
         head_commit=setup.workspace.head(), candidates_done=len(state.history), kept=state.kept,
         best_speedup=state.best_speedup, spent_s=round(state.spent_s, 3),
         downtime_s=round(max(0.0, time.time() - last.time), 3), reaped=reaped, worktrees_removed=removed,
-        finishing=nothing_left(setup.task, state))
+        finishing=nothing_left(setup.task, state), moved=moved(records, run_dir, Path(setup.repo.working_dir), arrival))
     return setup, proposer, sandbox, state
 
 
 def describe(event: Resumed) -> str:
     """One line: from where the run goes on."""
     what = [f"after record {event.after_seq + 1} ({event.after_event})"]
+    if event.moved is not None:
+        m = event.moved
+        what.append(f"moved from {m.from_host or '?'}:{m.from_run_dir or '?'} to {m.to_host}:{m.to_run_dir}, "
+                    f"branch in {m.to_checkout}" + (" (packed while it ran there)" if m.packed_live else ""))
     if event.dropped_bytes:
         what.append(f"a torn last line of {event.dropped_bytes} bytes cut off")
     if event.pending_keep:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import fcntl
 import importlib.metadata
 import json
+import os
 import platform
+import socket
 import secrets
 import sys
 import time
@@ -21,6 +23,7 @@ from agent.checkout import create_checkout, default_checkout_path, installed_vll
 from agent.checkpoint import CheckpointInfo, cache_root, prepare_model
 from agent.task import Task
 from agent.workspace import Workspace
+from sandbox.host import process_identity
 from traces import TraceWriter
 from traces.errors import NightshiftError
 from traces.schema import RunStarted
@@ -34,14 +37,24 @@ class RunLocked(SetupError):
     stage = "resume"
 
 
-def lock_run(run_dir: Path):
-    """Held while a harness runs the run (the kernel lets go when it dies): one harness per run folder."""
+HARNESS_FILE = "harness"
+"""The identity (host:pid:start time) of the process that runs the run, written once it holds the lock: a pack
+taken while the run is alive carries it, so that the pack is not resumed beside it on the same host."""
+
+
+def lock_run(run_dir: Path, claim: bool = True):
+    """Held while a harness runs the run (the kernel lets go when it dies): one harness per run folder.
+    `claim`: this process runs it (not only checks that nothing else does)."""
     lock = open(Path(run_dir) / "run.lock", "a")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.close()
         raise RunLocked(f"run {Path(run_dir).name} is still running (another process holds {run_dir}/run.lock)")
+    if claim:
+        part = Path(run_dir) / f".{HARNESS_FILE}.part"
+        part.write_text(process_identity(os.getpid()))
+        os.replace(part, Path(run_dir) / HARNESS_FILE)
     return lock
 
 
@@ -92,7 +105,8 @@ class RunSetup:
                           platform=platform.platform(), checkout=str(self.repo.working_dir),
                           base_commit=self.base_commit, branch=self.workspace.branch, model_sha256=self.model.sha256,
                           model_margins=self.model.margins.model_dump() if self.model.margins else None,
-                          task=self.task.model_dump(mode="json"))
+                          task=self.task.model_dump(mode="json"), host=socket.gethostname(),
+                          run_dir=str(self.run_dir), cache=str(cache_root()))
 
     def baseline_tree(self) -> Path:
         tree = self.workspace.worktree("baseline")

@@ -17,7 +17,7 @@ import git
 import numpy as np
 
 from agent import bench
-from agent.audit import BranchUnreadable, _open_repo
+from agent.audit import BranchUnreadable, _open_repo, checkout_of
 from agent.build import build
 from agent.checkpoint import prepare_model
 from agent.environment import environment
@@ -86,10 +86,10 @@ def run_target(run_dir: Path, base: str | None = None, head: str | None = None) 
     started = records[0].event
     task = parse_task(started.task, f"{run_dir}/trace.jsonl (run_started.task)")
     try:
-        repo = _open_repo(Path(run_dir), started)
+        repo = _open_repo(Path(run_dir), records)
         repo.git.rev_parse("--git-dir")
     except (git.GitError, git.NoSuchPathError) as exc:
-        raise BranchUnreadable(f"cannot read branch {started.branch} in {started.checkout}: {exc}") from None
+        raise BranchUnreadable(f"cannot read branch {started.branch} in {checkout_of(records)}: {exc}") from None
     base_ref, head_ref = base or started.base_commit, head or started.branch
     base_sha, head_sha = _commit(repo, base_ref, "base"), _commit(repo, head_ref, "head")
     _check_moved(repo, base_sha, head_sha, f"branch {head_ref}")

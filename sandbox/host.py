@@ -161,8 +161,9 @@ def server_marks(home: Path) -> dict[str, str]:
     return {SERVER_HOME_ENV: str(Path(home).resolve()), OWNER_ENV: process_identity(os.getpid())}
 
 
-def marked_processes(under: Path) -> list[tuple[int, str]]:
-    """(pid, owner) of every process on this host whose environment names a server home under `under`."""
+def marked_processes(under: Path, with_home: bool = False) -> list[tuple]:
+    """(pid, owner) of every process on this host whose environment names a server home under `under`;
+    `with_home`: (pid, owner, that home)."""
     root, found = str(Path(under).resolve()).rstrip("/") + "/", []
     for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
@@ -172,7 +173,7 @@ def marked_processes(under: Path) -> list[tuple[int, str]]:
         entries = dict(entry.split("=", 1) for entry in text.split("\0") if "=" in entry)
         home = entries.get(SERVER_HOME_ENV, "")
         if home.startswith(root):
-            found.append((int(environ.parent.name), entries.get(OWNER_ENV, "")))
+            found.append((int(environ.parent.name), entries.get(OWNER_ENV, ""), *([home] * with_home)))
     return found
 
 

@@ -10,6 +10,7 @@ import subprocess
 import threading
 import tempfile
 import sys
+import time
 from pathlib import Path
 
 from sandbox.base import Endpoint, Outcome, Reachable, ServerSpec, build_env, read_imports, serve_argv, wait_healthy
@@ -163,10 +164,12 @@ def process_identity(pid: int) -> str:
 
 
 def _group_members(pgid: int) -> list[int]:
+    """The processes of group PGID that still run (a zombie is dead: it waits only for its parent)."""
     members = []
     for entry in Path("/proc").glob("[0-9]*"):
         try:
-            if int(stat_fields(int(entry.name))[2]) == pgid:
+            fields = stat_fields(int(entry.name))
+            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
                 members.append(int(entry.name))
         except (OSError, IndexError, ValueError):
             pass
@@ -182,10 +185,13 @@ def _ours(pgid: int, recorded: str) -> bool:
     return process_identity(os.getpid()).split(" ")[0] == recorded.split(" ")[0] and bool(_group_members(pgid))
 
 
-def reap_servers(runs_root: Path) -> int:
-    """Kill the process group of every server under RUNS_ROOT/*/servers/ whose harness is gone; returns how many.
-    A group whose leader is not the process that was recorded (another boot, a reused pid) is left alone."""
-    reaped = 0
+def reap_servers(runs_root: Path, wait_s: float = 10) -> int:
+    """Kill the process group of every server under RUNS_ROOT/*/servers/ whose harness is gone; returns how many
+    servers had processes killed (a server counts once, however many groups its processes were found in). A group
+    whose leader is not the process that was recorded (another boot, a reused pid) is left alone. Waits (WAIT_S at
+    most) until the killed processes are gone, so that no later look finds them dying and counts them again."""
+    killed: dict[int, str] = {}
+    """Each killed process group -> the server home it belongs to."""
     for pid_file in Path(runs_root).glob("*/servers/*/pid"):
         owner, identity = pid_file.with_name("owner"), pid_file.with_name("identity")
         try:
@@ -203,31 +209,39 @@ def reap_servers(runs_root: Path) -> int:
         if pgid > 0 and _ours(pgid, identity.read_text() if identity.exists() else ""):
             try:
                 os.killpg(pgid, signal.SIGKILL)
-                reaped += 1
+                killed[pgid] = str(pid_file.parent.resolve())
             except (ProcessLookupError, PermissionError):
                 pass
         pid_file.unlink(missing_ok=True)
         identity.unlink(missing_ok=True)
-    return reaped + _reap_unrecorded(runs_root)
+    killed.update(_reap_unrecorded(runs_root, set(killed)))
+    deadline = time.monotonic() + wait_s
+    while any(_group_members(g) for g in killed) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return len(set(killed.values()))
 
 
-def _reap_unrecorded(runs_root: Path) -> int:
+def _reap_unrecorded(runs_root: Path, done: set[int]) -> dict[int, str]:
     """Kill the groups of server processes under RUNS_ROOT whose harness is gone that no pid file names (a harness
-    killed between starting a server and recording it; a home another start cleared): found by their marks."""
-    groups = set()
-    for pid, owner in marked_processes(runs_root):
+    killed between starting a server and recording it; a home another start cleared; a process that left its
+    server's group): found by their marks. Returns each group killed -> its server's home; groups in DONE were
+    killed already (a dying process is still found by its marks) and are not killed again."""
+    groups: dict[int, str] = {}
+    for pid, owner, home in marked_processes(runs_root, with_home=True):
         if owner_alive(owner):
             continue
         try:
             group = os.getpgid(pid)
+            if group in done:
+                continue
             if group != os.getpgrp():
                 os.killpg(group, signal.SIGKILL)
             else:
                 os.kill(pid, signal.SIGKILL)
-            groups.add(group)
+            groups[group] = home
         except (ProcessLookupError, PermissionError):
             pass
-    return len(groups)
+    return groups
 
 
 def copy_caches(source: Path, dest: Path) -> None:

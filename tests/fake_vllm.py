@@ -28,7 +28,8 @@ is, as when a harness waits for both servers to settle, and busy while the other
 Any mode may set `production_start_s` and `parity_start_s`: a server started without VLLM_BATCH_INVARIANT=1
 (a production server, where parity runs on dedicated batch-invariant ones), or with it, takes that long to
 become healthy, as a compile would; `production_crash`: a production server exits at startup after its wait.
-FAKE_FREEZE=NAME:N[,NAME:N...] in the environment: the server named NAME (its home folder's name) freezes
+FAKE_CRASH=NAME[,NAME...] in the environment: the server named NAME exits at startup, as one whose host lost
+a device would. FAKE_FREEZE=NAME:N[,NAME:N...] in the environment: the server named NAME (its home folder's name) freezes
 mid-stream once it has begun N+1 streamed completions, and never sends another byte (it still answers /health),
 as a wedged engine does. FAKE_CPU_BOUND=1: the per-token delay is spent computing, not sleeping, so a server
 slows when others take its CPU.
@@ -108,6 +109,8 @@ def burn(on: bool) -> None:
 frozen = False
 lock = threading.Lock()
 name = Path(os.environ.get("NIGHTSHIFT_SERVER_HOME", "")).name
+if name and name in os.environ.get("FAKE_CRASH", "").split(","):
+    sys.exit(f"fake_vllm: {name} crashing at startup (FAKE_CRASH)")
 if config.get("idle_burn_sly") and burners:
     threading.Thread(target=sly, daemon=True).start()
 freeze_after = {k: int(v) for k, _, v in (e.partition(":") for e in os.environ.get("FAKE_FREEZE", "").split(",") if e)}.get(name)

@@ -2,6 +2,7 @@
 
     python3 -m tests.resume_driver start TASK_JSON RUNS_DIR RUN_ID
     python3 -m tests.resume_driver resume RUN_DIR
+    python3 -m tests.resume_driver resume PACK_OR_FOLDER RUNS_DIR [CHECKOUT]   # a run moved to another folder
 
 The same code path as the CLI (agent/cli.py run_loop), with tests/fake_sandbox.py servers (a parallel run's
 workers too, on the Ray cluster at RAY_ADDRESS) and a pure-Python stand-in for vLLM; NIGHTSHIFT_TEST_CRASH
@@ -24,6 +25,9 @@ if __name__ == "__main__":
         run_loop(setup, make_proposer(task), quiet=True, sandbox=FakeSandbox(setup.run_dir / "servers"),
                  worker_sandbox=worker_sandbox)
     else:
-        run_dir = Path(sys.argv[2]).resolve()
-        resume_loop(str(run_dir), run_dir.parent, quiet=True, vllm_version=VERSION,
-                    sandbox=FakeSandbox(run_dir / "servers"), worker_sandbox=worker_sandbox)
+        run = Path(sys.argv[2]).resolve()
+        runs_dir = Path(sys.argv[3]) if len(sys.argv) > 3 else run.parent
+        checkout = Path(sys.argv[4]) if len(sys.argv) > 4 else None
+        resume_loop(str(run), runs_dir, quiet=True, vllm_version=VERSION,
+                    sandbox=lambda run_dir: FakeSandbox(run_dir / "servers"), worker_sandbox=worker_sandbox,
+                    checkout=checkout)

@@ -95,6 +95,52 @@ def test_reap_finds_servers_their_dead_harness_never_recorded(tmp_path):
             proc.kill()
 
 
+LEAVES_ITS_GROUP = """
+import os, sys, time
+pid = os.fork()
+if pid == 0:
+    os.setsid()  # as a server's helper process may: its own group, the server's marks still in its environment
+    time.sleep(600)
+    os._exit(0)
+print(pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_reap_counts_each_server_once(tmp_path):
+    """A resume once said "5 leftover servers killed" where 3 were left: a server whose processes are found both by
+    its pid file and by their marks (a helper in a group of its own, or processes still dying after the group's
+    kill) counts once, and the reaper returns when they are gone."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead_identity = harness_identity(dead.pid)
+    dead.wait()
+    servers = []
+    for name, code in (("reference", LEAVES_ITS_GROUP), ("incumbent", "import time; time.sleep(600)"),
+                       ("candidate-1", "import time; time.sleep(600)")):
+        home = tmp_path / "old-run" / "servers" / name
+        home.mkdir(parents=True)
+        proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.PIPE,
+                                text=True, env={**os.environ, **server_marks(home), OWNER_ENV: dead_identity})
+        (home / "owner").write_text(str(dead.pid))
+        (home / "identity").write_text(process_identity(proc.pid))
+        (home / "pid").write_text(str(proc.pid))
+        servers.append(proc)
+    helper = int(servers[0].stdout.readline())
+    deadline = time.time() + 10
+    while len(marked_processes(tmp_path)) < 4 and time.time() < deadline:
+        time.sleep(0.05)
+    assert os.getpgid(helper) != servers[0].pid and len(marked_processes(tmp_path)) == 4
+    try:
+        assert LocalSandbox(None, tmp_path / "new-run").reap() == 3
+        assert not running(helper) and all(not running(p.pid) for p in servers)
+        assert marked_processes(tmp_path) == []
+        assert LocalSandbox(None, tmp_path / "new-run").reap() == 0  # nothing left to find, dying or not
+    finally:
+        for proc in servers:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_harness_dead_but_not_yet_waited_for_is_gone(tmp_path):
     """A killed harness stays a zombie until its parent waits for it: its servers are reaped all the same."""
     server_dir = tmp_path / "old-run" / "servers" / "c1"

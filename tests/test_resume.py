@@ -41,8 +41,8 @@ PATCHES = {  # the baseline takes 20 ms a token: passes long enough to measure o
 }
 
 
-def harness(*args: str, crash: str = "", timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != CRASH_ENV}
+def harness(*args: str, crash: str = "", timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if k != CRASH_ENV}, **(env or {})}
     env["PYTHONPATH"] = str(ROOT)
     if crash:
         env[CRASH_ENV] = crash
@@ -246,6 +246,31 @@ def test_resume_refuses_a_finished_tampered_moved_or_running_run(task_file, unin
     assert trace.read_bytes() == original  # a refused resume writes nothing
     assert harness("resume", str(run_dir)).returncode == 0
     check_finished(run_dir, uninterrupted[1])
+
+
+def test_a_resume_refused_at_its_start_leaves_the_run_resumable(task_file, uninterrupted, tmp_path):
+    """A resumed start that a check refuses (here a baseline server that fails to start) stops the run, but does
+    not end it: it says it can go on, `status` says it stopped, and the next resume goes on with the budget left.
+    Each resume counts the leftover servers it really killed."""
+    run_dir = start(task_file, tmp_path / "runs", "refused-start", crash="after:parity:3")
+    left = len(list(run_dir.glob("servers/*/pid")))
+    assert left >= 3  # the reference, the incumbent and candidate 3's server
+    refused = harness("resume", str(run_dir), env={"FAKE_CRASH": "baseline-2"})
+    assert refused.returncode == 1, refused.stderr[-3000:]
+    assert f"the run can go on: nightshift run --resume {run_dir}" in " ".join(refused.stderr.split())
+    last = read_trace(run_dir / "trace.jsonl")[-1].event
+    assert last.kind == "run_finished" and last.resumable and "SandboxError" in last.reason
+    status = cli("status", str(run_dir))
+    assert status.returncode == 3 and "stopped" in status.stdout, status.stdout
+    assert "can go on" in cli("replay", str(run_dir)).stdout
+    again = harness("resume", str(run_dir))
+    assert again.returncode == 0, again.stderr[-3000:]
+    events = check_finished(run_dir, uninterrupted[1])
+    marks = [e for e in events if e.kind == "resumed"]
+    assert [m.after_event for m in marks] == ["parity of candidate 3", "run_finished"]
+    assert [m.candidate for m in marks] == [3, 3] and marks[1].candidates_done == 2
+    assert [m.reaped for m in marks] == [left, 0]  # the refused harness stopped its own servers
+    assert not events[-1].resumable
 
 
 def test_resume_detached_returns_at_once_and_the_run_finishes_in_the_background(task_file, uninterrupted, tmp_path):

@@ -13,3 +13,9 @@ class NightshiftError(Exception):
         super().__init__(message)
         if stage is not None:
             self.stage = stage
+
+
+def leaves_resumable(exc: BaseException) -> bool:
+    """Whether a run stopped by `exc` can go on with `nightshift run --resume`: a check that refused (the
+    environment, not the run, is at fault) or a signal (SIGTERM, Ctrl-C). A bug ends the run."""
+    return isinstance(exc, (NightshiftError, SystemExit, KeyboardInterrupt))

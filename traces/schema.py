@@ -38,6 +38,10 @@ class RunStarted(Event):
     model_sha256: str
     model_margins: dict[str, float] | None = None
     task: dict[str, Any]
+    host: str = ""
+    run_dir: str = ""
+    cache: str = ""
+    """Where the run started (its NIGHTSHIFT_CACHE): a resumed run that moved records the way from here."""
 
 
 class SelfParity(Event):
@@ -371,6 +375,25 @@ class NoiseFloor(Event):
     warning: str = ""
 
 
+class Moved(BaseModel):
+    """Where a resumed run was last (its run_started record, the last `moved`, or the pack's manifest) and where
+    it goes on: the host, the run folder, the vLLM checkout holding its branch, and NIGHTSHIFT_CACHE."""
+
+    from_host: str = ""
+    from_run_dir: str = ""
+    from_checkout: str = ""
+    from_cache: str = ""
+    to_host: str
+    to_run_dir: str
+    to_checkout: str
+    to_cache: str
+    pack: str = ""
+    """The pack (`nightshift pack`) it was resumed from, and its sha256 ("": a folder)."""
+    pack_sha256: str = ""
+    packed_live: bool = False
+    """The pack was taken while its harness still ran: that harness went on without this continuation."""
+
+
 class Resumed(Event):
     """The run continues after its harness was killed (`nightshift run --resume`, agent/resume.py): where the
     trace stood, what a torn last line held (cut off), and what comes next. The baseline phase follows again,
@@ -400,6 +423,8 @@ class Resumed(Event):
     finishing: str = ""
     """Why nothing is left to evaluate (e.g. `budget: candidates`): no baseline phase, the run finishes."""
     worktrees_removed: int = 0
+    moved: Moved | None = None
+    """Set when the run goes on elsewhere (another host, run folder, checkout or cache) than where it was."""
 
 
 class Remeasured(Event):
@@ -440,6 +465,8 @@ class RunFinished(Event):
     spend_usd: float = 0.0
     gpu_hours: float = 0.0
     """Held by the run's workers, all of them together (parallel runs only)."""
+    resumable: bool = False
+    """The run was stopped (a check refused, a signal), not ended: `nightshift run --resume` goes on from here."""
 
 
 AnyEvent = Annotated[
