@@ -83,8 +83,9 @@ def glance(records: list[Record], verify: dict | None) -> str:
                                     f"reference margins (nats): {_e(margins)}"))
     calibration = [a for a in _events(records, "audit") if a.calibration]
     for a in calibration[:1]:
-        rows.append(("audit A/A", _e(f"{a.tokens} tokens, {a.violation_count} violations, max deficit "
-                                     f"{a.deficits.max:.3f} nats (p99 {a.deficits.p99:.3f}), tolerance "
+        rows.append(("audit A/A", _e(f"{a.tokens} tokens, {a.deficits.non_top1} not the reference's top-1 "
+                                     f"({a.deficits.non_top1 / max(a.tokens, 1):.1%}), max deficit "
+                                     f"{a.deficits.max:.3f} nats (p99 {a.deficits.p99:.3f}), hard bound "
                                      f"{a.tolerance_nats:g} nats")))
     for n in _events(records, "noise_floor")[:1]:
         rows.append(("noise floor", _e(f"A/A speedup {n.speedup:.4f}x [{n.ci_low:.4f}, {n.ci_high:.4f}], CV "
@@ -198,14 +199,25 @@ def numerics(records: list[Record], figs: Figures) -> str:
         for key in ("p50", "p90", "p99", "max"):
             deficits.add_trace(go.Bar(x=labels, y=[getattr(a.deficits, key) for a in audits], name=key))
         deficits.add_hline(y=audits[-1].tolerance_nats, line_dash="dash", line_color="#d62728",
-                           annotation_text=f"tolerance {audits[-1].tolerance_nats:g}")
+                           annotation_text=f"hard bound {audits[-1].tolerance_nats:g}")
     deficits.update_layout(title="token audit: deficits below the reference's top-1 (non-top-1 positions)",
                            barmode="group", yaxis_title="nats")
     out.append(figs.div(deficits, 360))
+    judged = [a for a in audits if a.control is not None]
+    if judged:
+        rates = go.Figure()
+        labels = [f"#{a.candidate}" + (f" conf {a.confirmation}" if a.confirmation else "") for a in judged]
+        rates.add_trace(go.Bar(x=labels, y=[a.deficits.non_top1 / max(a.tokens, 1) for a in judged], name="candidate",
+                               text=[a.verdict.test if a.verdict else "" for a in judged]))
+        rates.add_trace(go.Bar(x=labels, y=[a.control.non_top1 / max(a.control.tokens, 1) for a in judged],
+                               name="control (incumbent, same benchmark)"))
+        rates.update_layout(title="token audit: share of tokens not the reference's top-1, candidate against its "
+                                  "control", barmode="group", yaxis_tickformat=".1%")
+        out.append(figs.div(rates, 340))
     violations = [v.deficit_nats for a in audits for v in a.violations]
     if violations:
         hist = go.Figure(go.Histogram(x=violations, marker_color="#d62728", nbinsx=40))
-        hist.add_vline(x=audits[-1].tolerance_nats, line_dash="dash", annotation_text="tolerance")
+        hist.add_vline(x=audits[-1].tolerance_nats, line_dash="dash", annotation_text="hard bound")
         hist.update_layout(title=f"deficits of the recorded violations ({len(violations)}; at most 20 per audit)",
                            xaxis_title="nats below the reference's top-1", yaxis_title="positions")
         out.append(figs.div(hist, 300))

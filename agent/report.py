@@ -49,6 +49,9 @@ def write_summary(run_dir: Path) -> str:
                      "audit": {"tokens": sum(a.tokens for a in audits[n]),
                                "violations": sum(a.violation_count for a in audits[n]),
                                "max_deficit_nats": max(a.deficits.max for a in audits[n]),
+                               "non_top1": sum(a.deficits.non_top1 for a in audits[n]),
+                               "control_non_top1": sum(a.control.non_top1 for a in audits[n] if a.control),
+                               "verdicts": [a.verdict.test for a in audits[n] if a.verdict],
                                "seconds": round(sum(a.seconds for a in audits[n]), 3)} if n in audits else None})
         if bench:
             measurements += [{"candidate": n, **s.model_dump()} for s in bench.samples]
