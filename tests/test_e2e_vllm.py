@@ -73,13 +73,17 @@ def test_patches_right_alone_and_wrong_in_batches_are_rejected_at_the_audit(adve
         assert bench.liveness.imported_patched == ["vllm/model_executor/models/gemma4.py"]
         token_audit = next(a for a in events(records, "audit") if a.candidate == n)
         assert token_audit.requests == 5 * 32 and token_audit.tokens == 5 * 32 * 32
-        assert token_audit.violation_count > 0
-        v = token_audit.violations[0]
         assert (decisions[n].verdict, decisions[n].stage) == ("discard", "audit"), decisions[n].reason
-        assert f"request {v.request}, position {v.position}: returned {v.returned}" in decisions[n].reason
+        assert not token_audit.verdict.passed and token_audit.control.tokens == token_audit.tokens
         assert not [b for b in events(records, "benchmark") if b.candidate == n and b.confirmation]
     crosstalk = next(a for a in events(records, "audit") if a.candidate == 1)
-    assert crosstalk.deficits.max > 3  # another sequence's token: far below the top-1
+    assert crosstalk.verdict.test == "hard_bound" and crosstalk.deficits.max > 6  # another sequence's token
+    v = crosstalk.violations[0]
+    assert f"request {v.request}, position {v.position}: returned {v.returned}" in decisions[1].reason
+    near_ties = next(a for a in events(records, "audit") if a.candidate == 2)
+    # the runner-up wherever the gap is under 1.5 nats: every such position flips, within any bound of a few
+    # nats, far more often than the control (the same baseline, measured beside it)
+    assert near_ties.verdict.test in ("hard_bound", "rate") and near_ties.deficits.non_top1 > 2 * near_ties.control.non_top1
     assert finished.kept == 0 and audit(setup.run_dir).commits == 0
 
 
@@ -118,9 +122,11 @@ def test_flags_search_commits_a_real_improvement(flags_run):
     assert audit(setup.run_dir).commits == 1
     summary = json.loads((setup.run_dir / "summary.json").read_text())
     calibration = summary["audit_calibration"]  # the A/A: the baseline's own outputs under load
-    assert calibration["calibration"] and calibration["tokens"] == 32 * 32 and calibration["violation_count"] == 0
+    # as many tokens as a candidate's audit; on a CPU with AMX 3-4% of them are honestly not the top-1
+    assert calibration["calibration"] and calibration["tokens"] == 8 * 32 * 32 and calibration["violation_count"] == 0
     kept = next(c for c in summary["candidates"] if c["verdict"] == "keep")
     assert kept["audit"]["tokens"] == 2 * 8 * 32 * 32 and kept["audit"]["violations"] == 0
+    assert kept["audit"]["verdicts"] == ["pass", "pass"]  # max_num_seqs 32 changes batching, and numerics with it
     assert review_tables(setup.run_dir)[0].row_count == 1
     assert finished.reason.startswith(("proposer exhausted", "budget"))
 
