@@ -255,7 +255,7 @@ class Toolbox:
             lines.append(f"ACCEPTED: {len(patch.files)} file(s), {len(edits)} edit(s); it is now built, checked for "
                          f"identical tokens and benchmarked")
             return Result("\n".join(lines), patch=patch, hypothesis=args.hypothesis, plan=args.plan)
-        return Result("REJECTED: fix the problems above and call propose again\n" + "\n".join(lines), ok=False)
+        return Result("REJECTED: fix the problems below and call propose again\n" + "\n".join(lines), ok=False)
 
 
 def check(edits: list[Edit], checkout: Path, include: list[str], exclude: list[str], report: list[str]
