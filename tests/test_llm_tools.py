@@ -320,3 +320,23 @@ def test_text_calls_are_parsed_one_a_turn():
     assert calls == [{"id": "text_0", "name": "grep", "arguments": json.dumps({"pattern": "a{2}", "path": "vllm"})}]
     assert parse_text_calls("nothing here") == []
     assert [t["function"]["name"] for t in definitions()][-1] == "propose"
+
+
+def test_an_endpoint_that_refuses_tools_gets_the_text_protocol(server, checkout, key, tmp_path):
+    server.push({"status": 400, "message": '"auto" tool choice requires --enable-auto-tool-choice and '
+                                           '--tool-call-parser to be set'},
+                {"text": "vllm/v1/sample/sampler.py\n<<<<<<< FUNCTION greedy\ndef greedy(logits):\n"
+                         "    return logits.argmax(dim=-1)\n>>>>>>> END\n"})
+    writer = TraceWriter(tmp_path / "trace.jsonl")
+    writer.append(run_started())
+    run = Run(tools_task(server.base_url), checkout, writer=writer)
+    proposal = run.propose()
+    writer.close()
+    assert "tools" in server.requests[0]["body"] and "tools" not in server.requests[1]["body"]
+    assert "CALL <tool>" in server.requests[1]["body"]["messages"][0]["content"]
+    invalid = next(e for e in run.events if isinstance(e, ProposalInvalid))
+    assert "enable-auto-tool-choice" in invalid.reason and invalid.reason.endswith("offered as text from now on)")
+    assert proposal.meta["llm"]["tools"] == "text" and run.proposer.protocol == "text"
+    resumed = Run(tools_task(server.base_url), checkout)
+    resumed.proposer.restore(read_trace(tmp_path / "trace.jsonl"))
+    assert resumed.proposer.protocol == "text"

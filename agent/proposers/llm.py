@@ -36,7 +36,8 @@ from string import Template
 from typing import Any, Callable
 
 from agent.models import (
-    Completion, LlmError, LlmFatalError, Messages, Model, OpenAIModel, Price, Redactor, ReplayExhausted,
+    Completion, LlmError, LlmFatalError, LlmRequestError, Messages, Model, OpenAIModel, Price, Redactor,
+    ReplayExhausted,
     complete_with_retries, estimate_tokens, messages_tokens,
 )
 from agent.proposers import notebook, tools
@@ -52,6 +53,7 @@ EXCERPT_LINES = 160
 RETRY_TEMPERATURE = 0.7
 FOLLOW_UPS = 1
 """Follow-up turns after unusable answers in one conversation before a fresh one."""
+TEXT_FALLBACK = " (tools are offered as text from now on)"
 PROMPTS = Path(__file__).resolve().parent.parent / "prompts"
 REPAIRABLE = {"apply", "build", "start", "parity", "liveness"}
 HOT_PATH_HINTS = ["sample/sampler", "logits_processor", "worker/cpu_model_runner", "worker/gpu_model_runner",
@@ -105,6 +107,8 @@ class LlmProposer:
         self.notebook: list[NotebookEntry] = []
         self._emit: Callable[[AnyEvent], str] | None = None
         self._restoring = False
+        self.protocol: str = spec.tools
+        """How tools are offered now: `native` falls back to `text` for good when the endpoint refuses tools."""
 
     @classmethod
     def from_task(cls, task: Task, model: Model | None = None, **kwargs: Any) -> "LlmProposer":
@@ -298,6 +302,8 @@ class LlmProposer:
             elif isinstance(event, ProposalInvalid):
                 self.stats.add(event)
                 self._invalid_log.append(f"candidate {event.candidate}: {event.reason}"[:300])
+                if event.reason.endswith(TEXT_FALLBACK):
+                    self.protocol = "text"
             elif isinstance(event, Proposal) and event.proposer == self.name:
                 self.stats.add(event)
                 proposals[event.candidate] = event
@@ -345,7 +351,7 @@ class LlmProposer:
                 convo.candidate, convo.files, convo.hypothesis = ctx.candidate, patch.files, outcome.hypothesis
                 self._last = convo
                 meta = {"llm": {"model": self.model.name, "repair_of": repair_of, "files": patch.files,
-                                "hypothesis": outcome.hypothesis, "plan": outcome.plan, "tools": self.spec.tools,
+                                "hypothesis": outcome.hypothesis, "plan": outcome.plan, "tools": self.protocol,
                                 "turns": sum(1 for m in convo.messages if m.get("role") == "assistant"),
                                 "spend_usd": round(self.spend_usd, 6), "tokens_used": self.tokens_used}}
                 proposal = Proposal(candidate=ctx.candidate, proposer=self.name, summary=patch.summary,
@@ -362,7 +368,7 @@ class LlmProposer:
 
     def _converse(self, ctx: ProposalContext, convo: Conversation) -> tools.Result | str:
         """Model turns and tool calls until `propose` accepts a change (its Result) or the conversation ends (why)."""
-        native = self.spec.tools == "native"
+        native = self.protocol == "native"
         offer = tools.definitions() if native else None
         box = tools.Toolbox(Path(ctx.checkout), self.task.edit_surface.include, self.task.edit_surface.exclude,
                             profile=self._profile_text, notebook=self._notebook_text, branch_diff=ctx.branch_diff,
@@ -387,6 +393,11 @@ class LlmProposer:
                 raise ProposerExhausted(str(exc), kind="fatal") from exc
             except ReplayExhausted as exc:
                 raise ProposerExhausted(str(exc)) from exc
+            except LlmRequestError as exc:
+                if native and "tool" in str(exc).lower():  # e.g. vllm serve without --enable-auto-tool-choice
+                    self.protocol = "text"
+                    return f"LLM call failed: {exc.record()}{TEXT_FALLBACK}"
+                return f"LLM call failed: {exc.record()}"
             except LlmError as exc:
                 return f"LLM call failed: {exc.record()}"
             tokens += sum(v for k, v in completion.usage.items() if k in ("prompt_tokens", "completion_tokens"))
@@ -422,7 +433,7 @@ class LlmProposer:
                 return accepted
 
     def _assistant(self, text: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
-        if self.spec.tools != "native" or not calls:
+        if self.protocol != "native" or not calls:
             return {"role": "assistant", "content": text or "(empty)"}
         return {"role": "assistant", "content": text or None,
                 "tool_calls": [{"id": c.get("id", ""), "type": "function",
@@ -430,7 +441,7 @@ class LlmProposer:
                                for c in calls]}
 
     def _tool_result(self, call_id: str, name: str, text: str) -> dict[str, Any]:
-        if self.spec.tools == "native":
+        if self.protocol == "native":
             return {"role": "tool", "tool_call_id": call_id, "content": text}
         return {"role": "user", "content": f"RESULT {name}:\n{text}"}
 
@@ -439,7 +450,7 @@ class LlmProposer:
 
     def _tool_messages(self, ctx: ProposalContext) -> Messages:
         task = self.task
-        protocol = "" if self.spec.tools == "native" else load_prompt("tools_text").substitute(
+        protocol = "" if self.protocol == "native" else load_prompt("tools_text").substitute(
             tools=tools.text_protocol())
         surface = ", ".join(task.edit_surface.include)
         if task.edit_surface.exclude:
