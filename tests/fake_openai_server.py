@@ -30,8 +30,8 @@ from typing import Any
 
 
 def _words(messages: list[dict[str, Any]]) -> int:
-    return sum(len(str(m.get("content") or "").split()) + len(json.dumps(m.get("tool_calls") or "").split())
-               for m in messages)
+    return sum(len(str(m.get("content") or "").split())
+               + (len(json.dumps(m["tool_calls"]).split()) if m.get("tool_calls") else 0) for m in messages)
 
 
 def _tool_calls(step: dict[str, Any]) -> list[dict[str, Any]]:

@@ -34,14 +34,19 @@ def expert(config: str, summary: str) -> list[dict]:
 
 
 def llm_run(tmp_path, checkout, model, script):
-    server = FakeOpenAI(script=script).start()
-    task = fake_task(checkout, model, tmp_path, budget={"max_candidates": 1},
-                     proposer={"kind": "llm", "base_url": server.base_url, "model": "scripted", "api_key_env": None,
-                               "profile": False, "tools": "native", "request_timeout_s": 10, "max_retries": 0})
-    setup = prepare_run(task, tmp_path / "runs", vllm_version=VERSION)
-    loop = Loop(setup, LlmProposer.from_task(task, profile="(the stand-in has no profile)"),
-                sandbox=FakeSandbox(tmp_path / "servers"))
-    return server, setup, loop
+    """The loop, one candidate, the LLM proposer talking to the scripted model: (setup, run_finished)."""
+    with FakeOpenAI(script=script) as server:
+        # 8 pairs, not 5: a keep is confirmed, and one stalled pass of 5 on a busy 2-core host can sink it
+        task = fake_task(checkout, model, tmp_path, budget={"max_candidates": 1},
+                         benchmark={"warmup_requests": 2, "repetitions": 8, "request_timeout_s": 10,
+                                    "max_client_busy": 1.0},
+                         proposer={"kind": "llm", "base_url": server.base_url, "model": "scripted",
+                                   "api_key_env": None, "profile": False, "tools": "native", "request_timeout_s": 10,
+                                   "max_retries": 0})
+        setup = prepare_run(task, tmp_path / "runs", vllm_version=VERSION)
+        loop = Loop(setup, LlmProposer.from_task(task, profile="(the stand-in has no profile)"),
+                    sandbox=FakeSandbox(tmp_path / "servers"))
+        return setup, loop.run()
 
 
 def events(setup) -> list:
@@ -49,12 +54,8 @@ def events(setup) -> list:
 
 
 def test_the_scripted_expert_is_kept_and_review_shows_the_notebook(tmp_path, fake_checkout, fake_model):
-    server, setup, loop = llm_run(tmp_path, fake_checkout, fake_model,
-                                  expert(mode("exact", 0.0025) + "\n", "serve 4x faster"))
-    try:
-        finished = loop.run()
-    finally:
-        server.stop()
+    setup, finished = llm_run(tmp_path, fake_checkout, fake_model, expert(mode("exact", 0.0025) + "\n",
+                                                                          "serve 4x faster"))
     trace = events(setup)
     calls = [e for e in trace if e.kind == "tool_call"]
     assert [c.name for c in calls] == ["list_dir", "grep", "read_file", "propose", "propose"]
@@ -75,12 +76,8 @@ def test_the_scripted_expert_is_kept_and_review_shows_the_notebook(tmp_path, fak
 
 def test_the_scripted_adversary_right_alone_wrong_in_batches_is_rejected_at_the_audit(tmp_path, fake_checkout,
                                                                                          fake_model):
-    server, setup, loop = llm_run(tmp_path, fake_checkout, fake_model,
-                                  expert(mode("batched", 0.0025) + "\n", "serve 4x faster in batches"))
-    try:
-        finished = loop.run()
-    finally:
-        server.stop()
+    setup, finished = llm_run(tmp_path, fake_checkout, fake_model, expert(mode("batched", 0.0025) + "\n",
+                                                                          "serve 4x faster in batches"))
     trace = events(setup)
     parity = next(e for e in trace if e.kind == "parity" and e.candidate == 1)
     decision = next(e for e in trace if e.kind == "decision")

@@ -129,10 +129,7 @@ def parse_edits(text: str) -> list[Edit]:
     while i < len(lines):
         function = FUNCTION.match(lines[i])
         if function:
-            start = i
-            path = _path_above(lines, i, edits)
-            if not path:
-                raise EditError("parse", f"line {start + 1}: a FUNCTION block without a file path on the line above it")
+            start, path = i, _block_path(lines, i, edits, "FUNCTION")
             body, i = _part(lines, i + 1, END, (SEARCH, FUNCTION), f"FUNCTION block for {path} is not closed",
                             f"line {start + 1}: FUNCTION block for {path} has no '>>>>>>> END' (truncated?)")
             edits.append(Edit(path=path, search="", replace=_join(body), index=len(edits) + 1,
@@ -143,10 +140,7 @@ def parse_edits(text: str) -> list[Edit]:
                 raise EditError("parse", f"line {i + 1}: '=======' before any '<<<<<<< SEARCH'")
             i += 1
             continue
-        start = i
-        path = _path_above(lines, i, edits)
-        if not path:
-            raise EditError("parse", f"line {start + 1}: a SEARCH block without a file path on the line above it")
+        start, path = i, _block_path(lines, i, edits, "SEARCH")
         search, i = _part(lines, i + 1, DIVIDER, (SEARCH, REPLACE), f"SEARCH block for {path} has no '=======' divider",
                           f"line {start + 1}: SEARCH block for {path} is not closed (no '=======')")
         replace, i = _part(lines, i, REPLACE, (SEARCH, DIVIDER), f"REPLACE part for {path} is not closed",
@@ -155,6 +149,13 @@ def parse_edits(text: str) -> list[Edit]:
     if not edits:
         raise EditError("parse", "no SEARCH/REPLACE block in the answer (and no FUNCTION block)")
     return edits
+
+
+def _block_path(lines: list[str], i: int, edits: list[Edit], kind: str) -> str:
+    path = _path_above(lines, i, edits)
+    if not path:
+        raise EditError("parse", f"line {i + 1}: a {kind} block without a file path on the line above it")
+    return path
 
 
 def _part(lines: list[str], i: int, end: re.Pattern, stray: tuple[re.Pattern, ...], stray_error: str,

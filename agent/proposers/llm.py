@@ -209,17 +209,8 @@ class LlmProposer:
             text = completion.text or ""
             reason, code, patch = self._check(ctx, text, completion.finish_reason)
             if patch is not None:
-                digest = hashlib.sha256(patch.diff.encode()).hexdigest()
-                self._seen[digest] = ctx.candidate
-                convo.answer, convo.candidate, convo.files = text, ctx.candidate, patch.files
-                self._last = convo
-                meta = {"llm": {"model": self.model.name, "answer": answer_no, "repair_of": repair_of,
-                                "files": patch.files, "spend_usd": round(self.spend_usd, 6),
-                                "tokens_used": self.tokens_used}}
-                proposal = Proposal(candidate=ctx.candidate, proposer=self.name, summary=patch.summary,
-                                    patch=patch.diff, meta=meta)
-                self.stats.add(proposal)
-                return proposal
+                convo.answer = text
+                return self._proposal(ctx, patch, convo, answer=answer_no, repair_of=repair_of)
             last_reason = reason
             self._invalid(ctx, reason)
             if convo.follow_ups < FOLLOW_UPS and code != "length":
@@ -232,6 +223,18 @@ class LlmProposer:
                 repair_of = None
         raise ProposerExhausted(f"{self.spec.attempts_per_proposal} LLM answers in a row were unusable; "
                                 f"the last: {last_reason}")
+
+    def _proposal(self, ctx: ProposalContext, patch: Patch, convo: Conversation, **info: Any) -> Proposal:
+        """The checked patch as this candidate's proposal; its conversation is kept for a repair turn."""
+        self._seen[hashlib.sha256(patch.diff.encode()).hexdigest()] = ctx.candidate
+        convo.candidate, convo.files = ctx.candidate, patch.files
+        self._last = convo
+        meta = {"llm": {"model": self.model.name, **info, "files": patch.files,
+                        "spend_usd": round(self.spend_usd, 6), "tokens_used": self.tokens_used}}
+        proposal = Proposal(candidate=ctx.candidate, proposer=self.name, summary=patch.summary, patch=patch.diff,
+                            meta=meta)
+        self.stats.add(proposal)
+        return proposal
 
     def _invalid(self, ctx: ProposalContext, reason: str) -> None:
         self._invalid_log.append(f"candidate {ctx.candidate}: {reason}"[:300])
@@ -345,19 +348,11 @@ class LlmProposer:
         for _ in range(self.spec.attempts_per_proposal):
             outcome = self._converse(ctx, convo)
             if isinstance(outcome, tools.Result):
-                patch = outcome.patch
-                assert patch is not None
-                self._seen[hashlib.sha256(patch.diff.encode()).hexdigest()] = ctx.candidate
-                convo.candidate, convo.files, convo.hypothesis = ctx.candidate, patch.files, outcome.hypothesis
-                self._last = convo
-                meta = {"llm": {"model": self.model.name, "repair_of": repair_of, "files": patch.files,
-                                "hypothesis": outcome.hypothesis, "plan": outcome.plan, "tools": self.protocol,
-                                "turns": sum(1 for m in convo.messages if m.get("role") == "assistant"),
-                                "spend_usd": round(self.spend_usd, 6), "tokens_used": self.tokens_used}}
-                proposal = Proposal(candidate=ctx.candidate, proposer=self.name, summary=patch.summary,
-                                    patch=patch.diff, meta=meta)
-                self.stats.add(proposal)
-                return proposal
+                assert outcome.patch is not None
+                convo.hypothesis = outcome.hypothesis
+                return self._proposal(ctx, outcome.patch, convo, repair_of=repair_of, hypothesis=outcome.hypothesis,
+                                      plan=outcome.plan, tools=self.protocol,
+                                      turns=sum(1 for m in convo.messages if m.get("role") == "assistant"))
             last_reason = outcome
             self._invalid(ctx, outcome)
             self.fresh += 1
