@@ -40,3 +40,54 @@ def sampler_expert() -> list[dict[str, Any]]:
                   functions=[{"path": "vllm/v1/sample/sampler.py", "name": "greedy",
                               "code": "def greedy(logits):\n    return logits.argmax(dim=-1)\n"}])),
     ])
+
+
+GEMMA4 = "vllm/model_executor/models/gemma4.py"
+UNIT_SCALAR = """        # A layer scalar of exactly 1 (checked once, after the weights are loaded) leaves every value as it is:
+        # skip the multiply and its allocation on every layer of every step.
+        unit = self.__dict__.get("_unit_layer_scalar")
+        if unit is None:
+            unit = self.__dict__["_unit_layer_scalar"] = bool((self.layer_scalar == 1).all())
+        if not unit:
+            hidden_states = hidden_states * self.layer_scalar
+"""
+SCALED = "        hidden_states = hidden_states * self.layer_scalar\n"
+
+
+def gemma4_expert(source: str) -> list[dict[str, Any]]:
+    """The real vLLM tree: list the models, grep for the layer scalar, read the decoder layer's forward, propose an
+    identity edit (the mistake a weak model makes; the harness names it), then the whole method replaced."""
+    from agent.proposers.edits import find_definition
+
+    node = find_definition(source, "Gemma4DecoderLayer.forward")
+    assert node is not None and node.end_lineno is not None
+    lines = source.splitlines(keepends=True)
+    method = "".join(lines[node.lineno - 1:node.end_lineno])
+    assert method.count(SCALED) == 1
+    hypothesis = ("every decoder layer multiplies its output by layer_scalar; x * 1 is x exactly, so when the "
+                  "scalar is 1 the multiply is pure overhead on each of the layers at every step")
+    return [
+        turn(call("list_dir", path="vllm/model_executor/models")),
+        turn(call("grep", pattern="layer_scalar", path=GEMMA4)),
+        turn(call("read_file", path=GEMMA4, start=node.lineno, end=node.end_lineno)),
+        turn(call("propose", summary="skip the unit layer scalar", hypothesis=hypothesis, plan="a new hot spot",
+                  edits=[{"path": GEMMA4, "search": SCALED, "replace": SCALED}])),
+        turn(call("propose", summary="skip the multiply by a unit layer scalar in every Gemma 4 decoder layer",
+                  hypothesis=hypothesis, plan="a new hot spot",
+                  functions=[{"path": GEMMA4, "name": "Gemma4DecoderLayer.forward",
+                              "code": method.replace(SCALED, UNIT_SCALAR)}])),
+    ]
+
+
+def gemma4_adversary() -> list[dict[str, Any]]:
+    """Right alone, wrong in batches: in a step that samples several sequences, each gets its neighbour's logits
+    (tests/fixtures/adversarial/01-batch-crosstalk.patch as a whole-method replacement)."""
+    code = ("def compute_logits(\n    self,\n    hidden_states: torch.Tensor,\n) -> torch.Tensor | None:\n"
+            "    logits = self.logits_processor(self.lm_head, hidden_states)\n"
+            "    if logits is not None and logits.shape[0] > 1:\n        logits = logits.roll(1, 0)\n"
+            "    return logits\n")
+    return [
+        turn(call("grep", pattern="def compute_logits", path=GEMMA4)),
+        turn(call("propose", summary="reuse logits across the batch", plan="a new hot spot",
+                  functions=[{"path": GEMMA4, "name": "Gemma4ForCausalLM.compute_logits", "code": code}])),
+    ]
