@@ -210,7 +210,8 @@ def test_an_endless_tool_loop_ends_at_the_budget(server, checkout, key):
     assert len(server.requests) == 12 and len(tool_events(run)) == 12
     invalid = [e for e in run.events if isinstance(e, ProposalInvalid)]
     assert [e.reason.split(":")[0] for e in invalid] == ["budget", "budget"]
-    assert len(server.requests[6]["body"]["messages"]) == 2  # the second conversation started afresh
+    assert len(server.requests[6]["body"]["messages"]) == 2  # the second conversation started afresh, warmer
+    assert [r["body"]["temperature"] for r in server.requests] == [0.0] * 6 + [0.7] * 6
 
 
 def test_the_token_and_dollar_budgets_end_a_conversation(server, checkout, key):

@@ -345,8 +345,11 @@ class LlmProposer:
             self.fresh += 1
             convo = Conversation(messages=self._tool_messages(ctx))
         last_reason = ""
-        for _ in range(self.spec.attempts_per_proposal):
-            outcome = self._converse(ctx, convo)
+        for conversation in range(self.spec.attempts_per_proposal):
+            # at temperature 0 a fresh conversation would be the one that just failed again
+            temperature = self.spec.temperature if conversation == 0 else max(self.spec.temperature,
+                                                                              RETRY_TEMPERATURE)
+            outcome = self._converse(ctx, convo, temperature)
             if isinstance(outcome, tools.Result):
                 assert outcome.patch is not None
                 convo.hypothesis = outcome.hypothesis
@@ -361,7 +364,7 @@ class LlmProposer:
         raise ProposerExhausted(f"{self.spec.attempts_per_proposal} LLM conversations in a row ended without a "
                                 f"proposal; the last: {last_reason}")
 
-    def _converse(self, ctx: ProposalContext, convo: Conversation) -> tools.Result | str:
+    def _converse(self, ctx: ProposalContext, convo: Conversation, temperature: float) -> tools.Result | str:
         """Model turns and tool calls until `propose` accepts a change (its Result) or the conversation ends (why)."""
         native = self.protocol == "native"
         offer = tools.definitions() if native else None
@@ -383,7 +386,7 @@ class LlmProposer:
                 return f"budget: ${usd:.4f} spent, the next turn may pass tool_budget.usd ${budget.usd:.4f}"
             turns += 1
             try:
-                completion = self._call(ctx, convo.messages, offer=offer)
+                completion = self._call(ctx, convo.messages, temperature, offer=offer)
             except LlmFatalError as exc:
                 raise ProposerExhausted(str(exc), kind="fatal") from exc
             except ReplayExhausted as exc:
