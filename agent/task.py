@@ -217,7 +217,7 @@ class ToolBudget(Strict):
     """What one proposal's conversation with tools may spend before it is given up (a new one starts)."""
 
     calls: int = Field(40, ge=1, le=1000)
-    """Model turns, each of which may call tools (a turn without a tool call counts too)."""
+    """Tool calls carried out (a model turn without a tool call counts as one)."""
     tokens: int | None = Field(400_000, gt=0)
     usd: float | None = Field(None, gt=0)
 

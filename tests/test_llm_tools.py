@@ -205,13 +205,24 @@ def test_an_endless_tool_loop_ends_at_the_budget(server, checkout, key):
     server.default = turn(call("list_dir", path="vllm"))
     run = Run(tools_task(server.base_url, attempts_per_proposal=2, tool_budget={"calls": 6}), checkout)
     with pytest.raises(ProposerExhausted, match="2 LLM conversations in a row ended without a proposal; the last: "
-                                                "budget: 6 model turns"):
+                                                "budget: 6 tool calls"):
         run.propose()
     assert len(server.requests) == 12 and len(tool_events(run)) == 12
     invalid = [e for e in run.events if isinstance(e, ProposalInvalid)]
     assert [e.reason.split(":")[0] for e in invalid] == ["budget", "budget"]
     assert len(server.requests[6]["body"]["messages"]) == 2  # the second conversation started afresh, warmer
     assert [r["body"]["temperature"] for r in server.requests] == [0.0] * 6 + [0.7] * 6
+
+
+def test_one_answer_with_many_tool_calls_gets_only_the_budget(server, checkout, key):
+    server.push(turn(*[call("read_file", path="vllm/v1/sample/sampler.py", start=n) for n in range(1, 11)]))
+    run = Run(tools_task(server.base_url, attempts_per_proposal=1, tool_budget={"calls": 6}), checkout)
+    with pytest.raises(ProposerExhausted, match="budget: 6 tool calls"):
+        run.propose()
+    results = tool_events(run)
+    assert len(server.requests) == 1 and len(results) == 10  # every call of the answer is answered
+    assert [r.ok for r in results] == [True] * 6 + [False] * 4
+    assert results[-1].result == "skipped: budget: 6 tool calls (tool_budget.calls) without an accepted proposal"
 
 
 def test_the_token_and_dollar_budgets_end_a_conversation(server, checkout, key):

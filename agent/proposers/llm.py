@@ -372,11 +372,12 @@ class LlmProposer:
                             profile=self._profile_text, notebook=self._notebook_text, branch_diff=ctx.branch_diff,
                             seen=self._seen)
         budget = self.spec.tool_budget
-        turns, tokens, usd = 0, 0, 0.0
+        used, tokens, usd = 0, 0, 0.0  # used: tool calls carried out, and turns without one
+        spent = f"budget: {budget.calls} tool calls (tool_budget.calls) without an accepted proposal"
         while True:
             worst = messages_tokens(convo.messages) + self.spec.max_tokens
-            if turns >= budget.calls:
-                return f"budget: {turns} model turns (tool_budget.calls) without an accepted proposal"
+            if used >= budget.calls:
+                return spent
             if budget.tokens is not None and tokens + worst > budget.tokens:
                 return (f"budget: {tokens} tokens used, the next turn may need {worst} of tool_budget.tokens "
                         f"{budget.tokens}, without an accepted proposal")
@@ -384,7 +385,6 @@ class LlmProposer:
                                          "completion_tokens": self.spec.max_tokens})
             if budget.usd is not None and usd + worst_usd > budget.usd:
                 return f"budget: ${usd:.4f} spent, the next turn may pass tool_budget.usd ${budget.usd:.4f}"
-            turns += 1
             try:
                 completion = self._call(ctx, convo.messages, temperature, offer=offer)
             except LlmFatalError as exc:
@@ -409,6 +409,7 @@ class LlmProposer:
                                                                           "blocks to propose)"))
                 convo.messages = [*convo.messages, {"role": "assistant", "content": text or "(empty)"},
                                   {"role": "user", "content": f"{why}. Call a tool; propose when you have a change."}]
+                used += 1
                 continue
             if not native:  # the protocol's answer is the text itself
                 calls = calls[:1]
@@ -417,7 +418,10 @@ class LlmProposer:
             for call in calls:
                 if accepted is not None:
                     result = tools.Result("skipped: a change was already accepted in this answer", ok=False)
+                elif used >= budget.calls:
+                    result = tools.Result(f"skipped: {spent}", ok=False)
                 else:
+                    used += 1
                     result = box.call(call.get("name", ""), call.get("arguments", ""))
                 self._record(ctx, ToolCall(candidate=ctx.candidate, call_id=str(call.get("id", "")),
                                            name=str(call.get("name", ""))[:100],
