@@ -310,6 +310,7 @@ def test_a_near_miss_is_named_and_restore_does_not_write_the_notebook_again(serv
     again = Run(tools_task(server.base_url), checkout)
     again.proposer.restore(read_trace(trace))
     assert [e.candidate for e in again.proposer.notebook] == [1] and again.events == []
+    assert again.proposer.stats.summary() == run.proposer.stats.summary()  # the funnel, tool calls included
 
 
 def test_a_repair_continues_the_tool_conversation(server, checkout, key):

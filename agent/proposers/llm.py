@@ -293,6 +293,7 @@ class LlmProposer:
             if isinstance(event, NotebookEntry):
                 self.notebook.append(event)
             elif isinstance(event, ToolCall):
+                self.stats.add(event)
                 results.append(event)
             elif isinstance(event, LlmCall):
                 results = []
