@@ -12,7 +12,9 @@ from agent.html_report import write_report
 from agent.loop import Loop
 from agent.proposers.llm import LlmProposer
 from agent.report import review_tables
+from agent.models import ReplayModel
 from agent.setup import prepare_run
+from agent.task import parse_task
 from fake_openai_server import FakeOpenAI
 from scripted_models import call, numbered, turn
 from tests.fake_sandbox import FakeSandbox
@@ -33,6 +35,9 @@ def expert(config: str, summary: str) -> list[dict]:
     ])
 
 
+PROFILE = "(the stand-in has no profile)"
+
+
 def llm_run(tmp_path, checkout, model, script):
     """The loop, one candidate, the LLM proposer talking to the scripted model: (setup, run_finished)."""
     with FakeOpenAI(script=script) as server:
@@ -44,7 +49,7 @@ def llm_run(tmp_path, checkout, model, script):
                                    "api_key_env": None, "profile": False, "tools": "native", "request_timeout_s": 10,
                                    "max_retries": 0})
         setup = prepare_run(task, tmp_path / "runs", vllm_version=VERSION)
-        loop = Loop(setup, LlmProposer.from_task(task, profile="(the stand-in has no profile)"),
+        loop = Loop(setup, LlmProposer.from_task(task, profile=PROFILE),
                     sandbox=FakeSandbox(tmp_path / "servers"))
         return setup, loop.run()
 
@@ -72,6 +77,16 @@ def test_the_scripted_expert_is_kept_and_review_shows_the_notebook(tmp_path, fak
     assert entry.summary in str(tables[-1].columns[1]._cells)
     page = write_report(setup.run_dir).read_text()
     assert "<h2>Lab notebook</h2>" in page and "Candidate 1: serve 4x faster." in page
+    # replay --rerun: the recorded task again, the recorded answers fed back, the endpoint gone
+    task = parse_task(trace[0].task, "run_started.task")
+    model = ReplayModel.from_trace(setup.run_dir / "trace.jsonl", strict=True)
+    rerun = prepare_run(task, tmp_path / "rerun", vllm_version=VERSION)
+    Loop(rerun, LlmProposer.from_task(task, model=model, profile=PROFILE),
+         sandbox=FakeSandbox(tmp_path / "rerun-servers")).run()
+    again = events(rerun)
+    assert model.remaining == 0 and model.mismatches == []
+    assert [(c.name, c.result) for c in again if c.kind == "tool_call"] == [(c.name, c.result) for c in calls]
+    assert next(e for e in again if e.kind == "proposal").patch == next(e for e in trace if e.kind == "proposal").patch
 
 
 def test_the_scripted_adversary_right_alone_wrong_in_batches_is_rejected_at_the_audit(tmp_path, fake_checkout,
