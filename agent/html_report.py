@@ -299,6 +299,14 @@ def diffs(run_dir: Path, records: list[Record]) -> str:
     return "".join(out)
 
 
+def notebook(records: list[Record]) -> str:
+    """The LLM proposer's lab notebook, one paragraph a candidate (none: no section)."""
+    entries = _events(records, "notebook")
+    if not entries:
+        return ""
+    return "<h2>Lab notebook</h2>" + "".join(f"<p id=notebook-{e.candidate}>{_e(e.summary)}</p>" for e in entries)
+
+
 def _colored(text: str) -> str:
     lines = []
     for line in text.splitlines():
@@ -323,7 +331,7 @@ def write_report(run_dir: Path) -> Path:
         records = read_trace(run_dir / "trace.jsonl")
         title = f"nightshift run {records[0].event.run_id}"
         body = [glance(records, verify), funnel(records, figs), speedups(records, figs), passes(records, figs),
-                numerics(records, figs), verify_section(verify, figs), diffs(run_dir, records)]
+                numerics(records, figs), verify_section(verify, figs), notebook(records), diffs(run_dir, records)]
     else:
         title = f"nightshift {verify['run_id'] if verify else run_dir.name}"
         body = [verify_section(verify, figs)]

@@ -87,6 +87,8 @@ class Completion:
     usage: dict[str, int] = field(default_factory=dict)
     model: str = ""
     latency_s: float = 0.0
+    tool_calls: list[dict[str, str]] = field(default_factory=list)
+    """Native tool calls of the answer: {id, name, arguments}, arguments as the JSON text the model wrote."""
 
 
 @dataclass
@@ -105,7 +107,8 @@ def estimate_tokens(text: str) -> int:
 
 
 def messages_tokens(messages: Messages) -> int:
-    return sum(estimate_tokens(str(m.get("content", ""))) + 4 for m in messages)
+    return sum(estimate_tokens(str(m.get("content") or "")) + estimate_tokens(str(m.get("tool_calls") or ""))
+               + 4 for m in messages)
 
 
 class Model(Protocol):
@@ -113,8 +116,10 @@ class Model(Protocol):
     params: dict[str, Any]
     """What goes into each `LlmCall.params` besides the per-call ones (never a secret)."""
 
-    def complete(self, messages: Messages, *, temperature: float, max_tokens: int) -> Completion:
-        """One attempt. Raises LlmError (or a subclass) when it fails."""
+    def complete(self, messages: Messages, *, temperature: float, max_tokens: int,
+                 tools: list[dict[str, Any]] | None = None) -> Completion:
+        """One attempt, offering `tools` (OpenAI function definitions) when given. Raises LlmError (or a
+        subclass) when it fails."""
 
 
 # --------------------------------------------------------------------------------------- secrets
@@ -183,13 +188,15 @@ class OpenAIModel:
     def close(self) -> None:
         self._client.close()
 
-    def complete(self, messages: Messages, *, temperature: float, max_tokens: int) -> Completion:
+    def complete(self, messages: Messages, *, temperature: float, max_tokens: int,
+                 tools: list[dict[str, Any]] | None = None) -> Completion:
         import httpx
         import openai
 
         started = time.monotonic()
         deadline = started + self.timeout_s
         text: list[str] = []
+        calls: dict[int, dict[str, str]] = {}
         finish_reason: str | None = None
         usage: dict[str, int] = {}
         served_model = ""
@@ -197,6 +204,7 @@ class OpenAIModel:
             stream = self._client.chat.completions.create(
                 model=self.name, messages=messages, temperature=temperature, max_tokens=max_tokens,
                 stream=True, stream_options={"include_usage": True}, extra_body=self.extra_body or None,
+                **({"tools": tools} if tools else {}),
             )
             try:
                 for chunk in stream:
@@ -209,6 +217,12 @@ class OpenAIModel:
                     for choice in chunk.choices or []:
                         if choice.delta is not None and choice.delta.content:
                             text.append(choice.delta.content)
+                        for piece in (choice.delta.tool_calls if choice.delta is not None else None) or []:
+                            call = calls.setdefault(piece.index, {"id": "", "name": "", "arguments": ""})
+                            call["id"] = piece.id or call["id"]
+                            if piece.function is not None:
+                                call["name"] += piece.function.name or ""
+                                call["arguments"] += piece.function.arguments or ""
                         if choice.finish_reason:
                             finish_reason = choice.finish_reason
             finally:
@@ -248,8 +262,9 @@ class OpenAIModel:
             usage = {"prompt_tokens": messages_tokens(messages), "completion_tokens": estimate_tokens(content),
                      "estimated": 1}
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        tool_calls = [{**calls[i], "id": calls[i]["id"] or f"call_{i}"} for i in sorted(calls)]
         return Completion(text=content, finish_reason=finish_reason, usage=usage,
-                          model=served_model or self.name, latency_s=time.monotonic() - started)
+                          model=served_model or self.name, latency_s=time.monotonic() - started, tool_calls=tool_calls)
 
     @staticmethod
     def _detail(exc: Exception) -> str:
@@ -288,7 +303,8 @@ class ReplayModel:
     def remaining(self) -> int:
         return len(self.calls) - self.position
 
-    def complete(self, messages: Messages, *, temperature: float, max_tokens: int) -> Completion:
+    def complete(self, messages: Messages, *, temperature: float, max_tokens: int,
+                 tools: list[dict[str, Any]] | None = None) -> Completion:
         if self.position >= len(self.calls):
             raise ReplayExhausted(f"the recorded run made only {len(self.calls)} LLM call(s)")
         call = self.calls[self.position]
@@ -300,7 +316,7 @@ class ReplayModel:
         if call.error is not None:
             raise error_from_record(call.error)
         return Completion(text=call.response or "", finish_reason=call.finish_reason, usage=dict(call.usage),
-                          model=call.model, latency_s=0.0)
+                          model=call.model, latency_s=0.0, tool_calls=[dict(c) for c in call.tool_calls])
 
 
 # ------------------------------------------------------------------------------------- FakeModel
@@ -318,7 +334,8 @@ class FakeModel:
         self.params = {"fake": True}
         self.calls = 0
 
-    def complete(self, messages: Messages, *, temperature: float, max_tokens: int) -> Completion:
+    def complete(self, messages: Messages, *, temperature: float, max_tokens: int,
+                 tools: list[dict[str, Any]] | None = None) -> Completion:
         index = self.calls
         self.calls += 1
         if self.responses:
@@ -347,6 +364,7 @@ class FakeModel:
 
 def complete_with_retries(model: Model, messages: Messages, *, temperature: float, max_tokens: int,
                           max_retries: int, backoff_s: float, deadline_s: float | None = None,
+                          tools: list[dict[str, Any]] | None = None,
                           on_failure: Callable[[LlmError, float], None] = lambda e, s: None,
                           sleep: Callable[[float], None] = time.sleep) -> Completion:
     """`model.complete`, retried with tenacity on transient errors: bounded exponential backoff
@@ -358,6 +376,8 @@ def complete_with_retries(model: Model, messages: Messages, *, temperature: floa
     def attempt() -> Completion:
         t0 = time.monotonic()
         try:
+            if tools:
+                return model.complete(messages, temperature=temperature, max_tokens=max_tokens, tools=tools)
             return model.complete(messages, temperature=temperature, max_tokens=max_tokens)
         except LlmError as exc:
             on_failure(exc, time.monotonic() - t0)

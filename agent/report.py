@@ -10,7 +10,7 @@ from agent.token_audit import trailer
 from agent.view import noise_line
 from traces import read_trace
 from traces.schema import (BenchReport, Commit, Decision, ParityReport, PatchApplied, Proposal, NoiseFloor,
-                           Resumed, RunFinished, SelfParity, TokenAudit)
+                           NotebookEntry, Resumed, RunFinished, SelfParity, TokenAudit)
 
 
 def _by_candidate(records) -> dict[int, dict]:
@@ -118,4 +118,12 @@ def review_tables(run_dir: Path) -> list[Table]:
                 noise.add_column(column)
             noise.add_row(noise_line(record.event), record.event.warning or "none")
             tables.append(noise)
+    entries = [r.event for r in records if isinstance(r.event, NotebookEntry)]
+    if entries:
+        notebook = Table(title="lab notebook (the LLM proposer's candidates)")
+        notebook.add_column("candidate")
+        notebook.add_column("entry")
+        for entry in entries:
+            notebook.add_row(str(entry.candidate), entry.summary)
+        tables.append(notebook)
     return tables

@@ -229,6 +229,15 @@ class LlmPrice(Strict):
     """US dollars per one million input (prompt) / output (completion) tokens."""
 
 
+class ToolBudget(Strict):
+    """What one proposal's conversation with tools may spend before it is given up (a new one starts)."""
+
+    calls: int = Field(40, ge=1, le=1000)
+    """Tool calls carried out (a model turn without a tool call counts as one)."""
+    tokens: int | None = Field(400_000, gt=0)
+    usd: float | None = Field(None, gt=0)
+
+
 class LlmProposer(Strict):
     """An LLM at any OpenAI-compatible endpoint writes SEARCH/REPLACE edits (agent/proposers/llm.py)."""
 
@@ -246,8 +255,14 @@ class LlmProposer(Strict):
     repair_turns: int = Field(1, ge=0, le=2)
     context_tokens: int = Field(12000, ge=1000)
     attempts_per_proposal: int = Field(3, ge=1, le=10)
-    """LLM answers that may be invalid (unparseable, not applying, off-surface) before giving up."""
+    """LLM answers that may be invalid (unparseable, not applying, off-surface) before giving up; with tools,
+    conversations that may end without a proposal."""
     profile: bool = True
+    tools: Literal["off", "native", "text"] = "off"
+    """A conversation with read-only tools and a checking `propose` per proposal (agent/proposers/tools.py):
+    `native` through the OpenAI tools API, `text` through a line protocol for endpoints without tools; `off`: one
+    prompt of excerpts, one answer of edit blocks."""
+    tool_budget: ToolBudget = Field(default_factory=ToolBudget)
 
 
 ProposerSpec = Annotated[Union[FlagsProposer, QueueProposer, LlmProposer], Field(discriminator="kind")]

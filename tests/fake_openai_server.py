@@ -7,6 +7,11 @@ Each request to POST /v1/chat/completions takes the next step of the script:
     {"sleep": 5.0}                                 say nothing for that long, then answer "late"
     {"break_stream": True, "text": "..."}          stream part of the text, then drop the socket
     {"garbage": True}                              send bytes that are not an SSE/JSON answer
+    {"tool_calls": [{"name": "read_file", "arguments": {...}}, ...], "text": ""}
+                                                   call tools (OpenAI tools API; `arguments` a dict is sent as
+                                                   its JSON, a string as it is), finish_reason "tool_calls"
+
+A script can be a scripted model's whole exploration: `tests/scripted_models.py` has two.
 
 Requests (headers and JSON body) are kept in `server.requests` for the tests to look at.
 Usage is counted as whitespace-separated words (prompt) and words (completion).
@@ -25,7 +30,15 @@ from typing import Any
 
 
 def _words(messages: list[dict[str, Any]]) -> int:
-    return sum(len(str(m.get("content", "")).split()) for m in messages)
+    return sum(len(str(m.get("content") or "").split())
+               + (len(json.dumps(m["tool_calls"]).split()) if m.get("tool_calls") else 0) for m in messages)
+
+
+def _tool_calls(step: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"id": call.get("id", f"call_{i}"), "type": "function",
+             "function": {"name": call["name"], "arguments": call["arguments"] if isinstance(call["arguments"], str)
+                          else json.dumps(call["arguments"])}}
+            for i, call in enumerate(step.get("tool_calls") or [])]
 
 
 class FakeOpenAI:
@@ -140,15 +153,19 @@ class FakeOpenAI:
                     self.wfile.write(payload)
                     return
                 text = str(step.get("text", ""))
-                finish = step.get("finish_reason", "stop")
+                calls = _tool_calls(step)
+                finish = step.get("finish_reason", "tool_calls" if calls else "stop")
                 model = body.get("model", "fake-model")
-                usage = {"prompt_tokens": _words(body.get("messages", [])), "completion_tokens": len(text.split())}
+                usage = {"prompt_tokens": _words(body.get("messages", [])),
+                         "completion_tokens": len(text.split()) + len(json.dumps(calls).split()) if calls
+                         else len(text.split())}
                 usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
                 if not body.get("stream"):
                     self._json(200, {"id": "chatcmpl-fake", "object": "chat.completion", "created": int(time.time()),
                                      "model": model, "usage": usage,
                                      "choices": [{"index": 0, "finish_reason": finish,
-                                                  "message": {"role": "assistant", "content": text}}]})
+                                                  "message": {"role": "assistant", "content": text or None,
+                                                              **({"tool_calls": calls} if calls else {})}}]})
                     return
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
@@ -175,6 +192,12 @@ class FakeOpenAI:
                     return
                 for piece in pieces:
                     event(chunk({"content": piece}))
+                for index, call in enumerate(calls):  # the id and name first, then the arguments in pieces
+                    event(chunk({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
+                                                 "function": {"name": call["function"]["name"], "arguments": ""}}]}))
+                    arguments = call["function"]["arguments"]
+                    for i in range(0, len(arguments), 40):
+                        event(chunk({"tool_calls": [{"index": index, "function": {"arguments": arguments[i:i + 40]}}]}))
                 event(chunk({}, finish))
                 if (body.get("stream_options") or {}).get("include_usage"):
                     event({"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": int(time.time()),

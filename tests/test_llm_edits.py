@@ -130,3 +130,56 @@ def test_markers_are_lenient_but_the_search_text_is_exact(tree):
         make_patch("vllm/v1/a.py\nSEARCH\nimport  os\n=======\nimport sys\nREPLACE\n", tree, INCLUDE, EXCLUDE)
     with pytest.raises(EditError, match="parse: no SEARCH/REPLACE block"):
         parse_edits("SEARCH/REPLACE\nimport os\n")
+
+
+CLASSY = '''import functools
+
+
+class Sampler:
+    """Samples."""
+
+    @functools.lru_cache(maxsize=None)
+    def forward(self, x):
+        return x + 1
+
+    class Inner:
+        def step(self):
+            return 1
+
+
+def forward(x):
+    return x
+'''
+
+
+def test_a_method_is_replaced_whole_by_its_ast_with_decorators_and_indentation(tree):
+    (tree / "vllm/v1/s.py").write_text(CLASSY)
+    text = ("vllm/v1/s.py\n<<<<<<< FUNCTION Sampler.forward\n@functools.lru_cache(maxsize=None)\n"
+            "def forward(self, x):\n    return x + 2\n>>>>>>> END\n"
+            "<<<<<<< FUNCTION Sampler.Inner.step\n        def step(self):\n            return 2\n>>>>>>> END\n")
+    patch = make_patch(text, tree, INCLUDE, EXCLUDE)
+    git_apply(tree, patch.diff)
+    after = (tree / "vllm/v1/s.py").read_text()
+    assert after == CLASSY.replace("return x + 1", "return x + 2").replace("return 1", "return 2")
+    assert [e.function for e in patch.edits] == ["Sampler.forward", "Sampler.Inner.step"]
+
+
+@pytest.mark.parametrize("name, code, message", [
+    ("Sampler.backward", "def backward(self):\n    pass\n", "has no function or method 'Sampler.backward'"),
+    ("Sampler.forward", "def other(self, x):\n    return x\n", "must be exactly one definition of forward"),
+    ("Sampler.forward", "def forward(self, x):\n    return (x\n", "the new definition of Sampler.forward does not parse"),
+    ("Sampler.forward", "x = 1\ndef forward(self, x):\n    return x\n", "must be exactly one definition"),
+])
+def test_a_function_edit_that_can_not_apply_says_why(tree, name, code, message):
+    (tree / "vllm/v1/s.py").write_text(CLASSY)
+    with pytest.raises(EditError, match="function: ") as info:
+        make_patch(f"vllm/v1/s.py\n<<<<<<< FUNCTION {name}\n{code}>>>>>>> END\n", tree, INCLUDE, EXCLUDE)
+    assert message in str(info.value)
+
+
+def test_the_module_level_function_of_the_same_name_is_its_own(tree):
+    (tree / "vllm/v1/s.py").write_text(CLASSY)
+    patch = make_patch("vllm/v1/s.py\n<<<<<<< FUNCTION forward\ndef forward(x):\n    return -x\n>>>>>>> END\n",
+                       tree, INCLUDE, EXCLUDE)
+    removed = [line for line in patch.diff.splitlines() if line.startswith("-") and not line.startswith("---")]
+    assert removed == ["-    return x"] and "@@ -14,4 +14,4 @@" in patch.diff

@@ -509,7 +509,8 @@ def test_the_funnel_counts_answers_parsed_applied_built_parity(server, checkout,
     third = run.propose()
     run.decide(third, "decision", "speedup 1.10", verdict="keep")
     funnel = llm_funnel(run.events)
-    assert funnel == {"llm_calls": 7, "failed_calls": 1, "answers": 6, "parsed": 4, "applied": 3, "built": 2,
+    assert funnel == {"llm_calls": 7, "failed_calls": 1, "answers": 6, "tool_calls": 0, "valid_tool_calls": 0,
+                      "proposes": 0, "non_identity_proposes": 0, "parsed": 4, "applied": 3, "built": 2,
                       "parity_passed": 1, "kept": 1, "invalid": {"parse": 1, "truncated": 1, "match": 1},
                       "rejected_at": {"build": 1, "parity": 1}, "tokens_in": funnel["tokens_in"],
                       "tokens_out": funnel["tokens_out"], "spend_usd": funnel["spend_usd"]}

@@ -338,6 +338,40 @@ class LlmCall(Event):
     cost_usd: float = 0.0
     latency_s: float
     error: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    """The tool calls of the answer, each {id, name, arguments} (`arguments` as the model sent it, a string)."""
+
+
+class ToolCall(Event):
+    """One tool call of the LLM proposer's conversation and what the harness answered (agent/proposers/tools.py)."""
+
+    kind: Literal["tool_call"] = "tool_call"
+    candidate: int
+    call_id: str
+    name: str
+    arguments: str
+    result: str
+    ok: bool
+    """False for a call the harness refused (bad arguments, a path outside the tree) or a rejected `propose`."""
+
+
+class NotebookEntry(Event):
+    """The lab notebook: what one LLM candidate tried and what came of it (agent/proposers/notebook.py)."""
+
+    kind: Literal["notebook"] = "notebook"
+    candidate: int
+    summary: str
+    """One paragraph: hypothesis, files, stage reached, speedup with its interval, what was learned."""
+    hypothesis: str = ""
+    files: list[str] = Field(default_factory=list)
+    verdict: str = ""
+    stage: str = ""
+    speedup: float | None = None
+    ci_low: float | None = None
+    ci_high: float | None = None
+    learned: str = ""
+    divergence: str = ""
+    """From a parity or audit failure: where the tokens diverged."""
 
 
 class ProposalInvalid(Event):
@@ -473,7 +507,8 @@ AnyEvent = Annotated[
     Union[
         RunStarted, SelfParity, Proposal, PatchApplied, Build, ParityReport, SampleTaken, BenchReport, TokenAudit,
         Decision,
-        Commit, LlmCall, ProposalInvalid, NoiseFloor, Resumed, Remeasured, IncumbentRestarted, RunFinished,
+        Commit, LlmCall, ToolCall, NotebookEntry, ProposalInvalid, NoiseFloor, Resumed, Remeasured, IncumbentRestarted,
+        RunFinished,
     ],
     Field(discriminator="kind"),
 ]

@@ -10,6 +10,15 @@ The format (the one aider popularized; small and large models both produce it re
     the lines that replace them
     >>>>>>> REPLACE
 
+The targeted form replaces one named function or method whole, found by its AST (the model
+writes only the new definition; its indentation is adjusted to the old one's):
+
+    vllm/v1/sample/sampler.py
+    <<<<<<< FUNCTION Sampler.forward
+    def forward(self, logits):
+        ...
+    >>>>>>> END
+
 The path line may sit inside or outside a ``` fence. A SEARCH part must occur exactly once
 in the file (after the earlier blocks of the same answer are applied); an empty SEARCH part
 creates a new file. Nothing is fuzzy: an edit that does not match is an error with a reason.
@@ -17,9 +26,12 @@ The checkout is only read; the edited copies live in memory.
 """
 from __future__ import annotations
 
+import ast
 import difflib
+import py_compile
 import re
 import subprocess
+import textwrap
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -31,13 +43,15 @@ from agent.surface import surface_allows
 SEARCH = re.compile(r"^\s*(?:<{3,9}\s*SEARCH\b.*|SEARCH:?)\s*$")
 DIVIDER = re.compile(r"^\s*={5,9}\s*$")
 REPLACE = re.compile(r"^\s*(?:>{3,9}\s*REPLACE\b.*|REPLACE:?)\s*$")
+FUNCTION = re.compile(r"^\s*<{3,9}\s*FUNCTION\s+([A-Za-z_][\w.]*)\s*$")
+END = re.compile(r"^\s*>{3,9}\s*(?:END|REPLACE)\b.*$")
 FENCE = re.compile(r"^\s*(```|~~~)")
 SUMMARY = re.compile(r"^\s*(?:\*\*)?SUMMARY(?:\*\*)?\s*:\s*(.+)$", re.I | re.M)
 
 
 class EditError(ValueError):
     """Why an answer can not become a patch. `code` is one of: parse, empty, path, surface, match,
-    ambiguous, noop, check."""
+    ambiguous, function, noop, identity, compile, check."""
 
     def __init__(self, code: str, message: str):
         super().__init__(message)
@@ -53,6 +67,13 @@ class Edit:
     search: str
     replace: str
     index: int
+    function: str = ""
+    """Set for the targeted form: the qualified name (`Class.method` or `func`) whose definition `replace` is."""
+    identity: bool = False
+    """Set by `apply_edit` when the replacement equals what it replaces (up to trailing whitespace)."""
+
+    def label(self) -> str:
+        return f"block {self.index}" + (f" (function {self.function})" if self.function else "")
 
 
 @dataclass
@@ -88,7 +109,7 @@ def _path_above(lines: list[str], i: int, edits: list[Edit]) -> str:
         if not line.strip():
             j -= 1
             continue
-        if REPLACE.match(line):
+        if REPLACE.match(line) or END.match(line):
             return edits[-1].path if edits else ""
         cleaned = _clean_path(line)
         if FENCE.match(line) and not _looks_like_path(cleaned):
@@ -106,23 +127,35 @@ def parse_edits(text: str) -> list[Edit]:
     edits: list[Edit] = []
     i = 0
     while i < len(lines):
+        function = FUNCTION.match(lines[i])
+        if function:
+            start, path = i, _block_path(lines, i, edits, "FUNCTION")
+            body, i = _part(lines, i + 1, END, (SEARCH, FUNCTION), f"FUNCTION block for {path} is not closed",
+                            f"line {start + 1}: FUNCTION block for {path} has no '>>>>>>> END' (truncated?)")
+            edits.append(Edit(path=path, search="", replace=_join(body), index=len(edits) + 1,
+                              function=function.group(1)))
+            continue
         if not SEARCH.match(lines[i]):
             if DIVIDER.match(lines[i]) and edits == [] and any(REPLACE.match(x) for x in lines[i:]):
                 raise EditError("parse", f"line {i + 1}: '=======' before any '<<<<<<< SEARCH'")
             i += 1
             continue
-        start = i
-        path = _path_above(lines, i, edits)
-        if not path:
-            raise EditError("parse", f"line {start + 1}: a SEARCH block without a file path on the line above it")
+        start, path = i, _block_path(lines, i, edits, "SEARCH")
         search, i = _part(lines, i + 1, DIVIDER, (SEARCH, REPLACE), f"SEARCH block for {path} has no '=======' divider",
                           f"line {start + 1}: SEARCH block for {path} is not closed (no '=======')")
         replace, i = _part(lines, i, REPLACE, (SEARCH, DIVIDER), f"REPLACE part for {path} is not closed",
                            f"line {start + 1}: block for {path} has no '>>>>>>> REPLACE' (truncated?)")
         edits.append(Edit(path=path, search=_join(search), replace=_join(replace), index=len(edits) + 1))
     if not edits:
-        raise EditError("parse", "no SEARCH/REPLACE block in the answer")
+        raise EditError("parse", "no SEARCH/REPLACE block in the answer (and no FUNCTION block)")
     return edits
+
+
+def _block_path(lines: list[str], i: int, edits: list[Edit], kind: str) -> str:
+    path = _path_above(lines, i, edits)
+    if not path:
+        raise EditError("parse", f"line {i + 1}: a {kind} block without a file path on the line above it")
+    return path
 
 
 def _part(lines: list[str], i: int, end: re.Pattern, stray: tuple[re.Pattern, ...], stray_error: str,
@@ -164,55 +197,175 @@ def normalize_path(path: str) -> str:
     return str(pure)
 
 
-def apply_edits(edits: list[Edit], checkout: Path, include: list[str], exclude: list[str]
-                ) -> dict[str, tuple[str | None, str]]:
+Files = dict[str, tuple[str | None, str]]
+"""{path: (old text or None for a new file, current text)}"""
+
+
+def apply_edits(edits: list[Edit], checkout: Path, include: list[str], exclude: list[str]) -> Files:
     """{path: (old text or None for a new file, new text)}; the checkout is only read."""
-    checkout = Path(checkout)
-    root = checkout.resolve()
-    files: dict[str, tuple[str | None, str]] = {}
+    files: Files = {}
     for edit in edits:
-        rel = normalize_path(edit.path)
-        if not surface_allows(rel, include, exclude):
-            raise EditError("surface", f"{rel} is outside the edit surface (include {include}, exclude {exclude})")
-        target = checkout / rel
-        try:
-            if root not in target.resolve().parents:
-                raise EditError("path", f"{rel} resolves outside the checkout")
-        except OSError as exc:
-            raise EditError("path", f"{rel}: {exc}") from None
-        if rel not in files:
-            if target.is_file():
-                old = target.read_text(encoding="utf-8", errors="surrogateescape")
-                files[rel] = (old, old)
-            elif target.exists():
-                raise EditError("path", f"{rel} is not a regular file")
-            else:
-                files[rel] = (None, "")
-        old, current = files[rel]
-        if not edit.search:
-            if old is not None or current:
-                raise EditError("match", f"block {edit.index}: empty SEARCH for {rel}, which already exists "
-                                         f"(an empty SEARCH only creates a new file)")
-            files[rel] = (None, edit.replace)
-            continue
-        if old is None and not current:
-            raise EditError("match", f"block {edit.index}: {rel} does not exist in the checkout")
-        search = edit.search
-        count = current.count(search)
-        if count == 0 and not current.endswith("\n") and current.endswith(search[:-1]):
-            search, count = search[:-1], 1
-            edit.replace = edit.replace[:-1] if edit.replace.endswith("\n") else edit.replace
-        if count == 0:
-            raise EditError("match", f"block {edit.index}: the SEARCH text does not occur in {rel}"
-                                     f"{_closest_hint(current, edit.search)}")
-        if count > 1:
-            raise EditError("ambiguous", f"block {edit.index}: the SEARCH text occurs {count} times in {rel}; "
-                                         f"include more lines so that it is unique")
-        files[rel] = (old, current.replace(search, edit.replace, 1))
+        apply_edit(edit, files, checkout, include, exclude)
     changed = {k: v for k, v in files.items() if v[0] != v[1]}
     if not changed:
         raise EditError("noop", "the edits change nothing")
     return changed
+
+
+def checked_path(path: str, checkout: Path) -> tuple[str, Path]:
+    """A path named by the model -> (clean relative path, the file under the checkout), refusing anything that
+    leaves the tree: absolute paths, `..`, git metadata, a symlink that resolves outside. Raises EditError('path')."""
+    rel = normalize_path(path)
+    root = Path(checkout).resolve()
+    target = Path(checkout) / rel
+    try:
+        resolved = target.resolve()
+    except OSError as exc:
+        raise EditError("path", f"{rel}: {exc}") from None
+    if resolved != root and root not in resolved.parents:
+        raise EditError("path", f"{rel} resolves outside the checkout")
+    return rel, target
+
+
+def apply_edit(edit: Edit, files: Files, checkout: Path, include: list[str], exclude: list[str]) -> None:
+    """Apply one edit to the in-memory `files` (read from the checkout on first use). Raises EditError."""
+    rel = normalize_path(edit.path)
+    if not surface_allows(rel, include, exclude):
+        raise EditError("surface", f"{rel} is outside the edit surface (include {include}, exclude {exclude})")
+    rel, target = checked_path(rel, checkout)
+    if rel not in files:
+        if target.is_file():
+            old = target.read_text(encoding="utf-8", errors="surrogateescape")
+            files[rel] = (old, old)
+        elif target.exists():
+            raise EditError("path", f"{rel} is not a regular file")
+        else:
+            files[rel] = (None, "")
+    old, current = files[rel]
+    if edit.function:
+        if old is None and not current:
+            raise EditError("match", f"{edit.label()}: {rel} does not exist in the checkout")
+        new, edit.search = replace_function(current, edit.function, edit.replace, rel)
+        edit.identity = _same(edit.search, new)
+        files[rel] = (old, new)
+        return
+    if not edit.search:
+        if old is not None or current:
+            raise EditError("match", f"block {edit.index}: empty SEARCH for {rel}, which already exists "
+                                     f"(an empty SEARCH only creates a new file)")
+        files[rel] = (None, edit.replace)
+        return
+    if old is None and not current:
+        raise EditError("match", f"block {edit.index}: {rel} does not exist in the checkout")
+    search = edit.search
+    count = current.count(search)
+    if count == 0 and not current.endswith("\n") and current.endswith(search[:-1]):
+        search, count = search[:-1], 1
+        edit.replace = edit.replace[:-1] if edit.replace.endswith("\n") else edit.replace
+    if count == 0:
+        raise EditError("match", f"block {edit.index}: the SEARCH text does not occur in {rel}"
+                                 f"{_closest_hint(current, edit.search)}")
+    if count > 1:
+        raise EditError("ambiguous", f"block {edit.index}: the SEARCH text occurs {count} times in {rel}; "
+                                     f"include more lines so that it is unique")
+    edit.identity = _same(search, edit.replace)
+    files[rel] = (old, current.replace(search, edit.replace, 1))
+
+
+def _same(a: str, b: str) -> bool:
+    return [line.rstrip() for line in a.splitlines()] == [line.rstrip() for line in b.splitlines()]
+
+
+def find_definition(source: str, qualname: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The function or method `qualname` (`func`, `Class.method`, `Outer.Inner.method`) of a module's source."""
+    body: list[ast.stmt] = ast.parse(source).body
+    parts = qualname.split(".")
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        kinds = (ast.FunctionDef, ast.AsyncFunctionDef) if last else (ast.ClassDef,)
+        found = [n for n in body if isinstance(n, kinds) and n.name == part]
+        if not found:
+            return None
+        node = found[-1]  # a later definition of the same name is the one in effect
+        if last:
+            return node  # type: ignore[return-value]
+        body = node.body  # type: ignore[attr-defined]
+    return None
+
+
+def replace_function(source: str, qualname: str, code: str, rel: str = "the file") -> tuple[str, str]:
+    """`source` with the definition of `qualname` (with its decorators) replaced by `code`, re-indented to the
+    old definition's column; returns (new source, the old definition's text). Raises EditError('function')."""
+    try:
+        node = find_definition(source, qualname)
+    except SyntaxError as exc:
+        raise EditError("function", f"{rel} does not parse ({exc.msg}, line {exc.lineno})") from None
+    if node is None:
+        names = sorted(_definitions(source))
+        close = difflib.get_close_matches(qualname, names, n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise EditError("function", f"{rel} has no function or method {qualname!r}{hint}")
+    dedented = textwrap.dedent(code.strip("\n").expandtabs(8)) + "\n"
+    try:
+        new_body = ast.parse(dedented).body
+    except SyntaxError as exc:
+        raise EditError("function", f"the new definition of {qualname} does not parse: {exc.msg} "
+                                    f"(its line {exc.lineno})") from None
+    name = qualname.rsplit(".", 1)[-1]
+    defs = [n for n in new_body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    if len(new_body) != 1 or not defs or defs[0].name != name:
+        raise EditError("function", f"the code must be exactly one definition of {name} (def {name}(...): ...), "
+                                    f"with its decorators")
+    lines = source.splitlines(keepends=True)
+    start = min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 1
+    end = node.end_lineno or node.lineno
+    indent = " " * node.col_offset
+    new = "".join(indent + line if line.strip() else line for line in dedented.splitlines(keepends=True))
+    old = "".join(lines[start:end])
+    if not old.endswith("\n"):
+        new = new.rstrip("\n")
+    return "".join(lines[:start]) + new + "".join(lines[end:]), old
+
+
+def _definitions(source: str) -> set[str]:
+    out: set[str] = set()
+
+    def walk(body: list[ast.stmt], prefix: str) -> None:
+        for n in body:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out.add(prefix + n.name)
+            elif isinstance(n, ast.ClassDef):
+                walk(n.body, prefix + n.name + ".")
+
+    try:
+        walk(ast.parse(source).body, "")
+    except SyntaxError:
+        pass
+    return out
+
+
+def compile_errors(changed: Files) -> list[str]:
+    """`py_compile` of every changed Python file (on a scratch copy): one message per file that does not compile."""
+    errors: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="nightshift-compile-") as tmp:
+        for n, (rel, (_old, new)) in enumerate(sorted(changed.items())):
+            if not rel.endswith(".py"):
+                continue
+            src = Path(tmp) / f"{n}.py"
+            src.write_text(new, encoding="utf-8", errors="surrogateescape")
+            try:
+                py_compile.compile(str(src), cfile=str(src) + "c", dfile=rel, doraise=True)
+            except py_compile.PyCompileError as exc:
+                errors.append(f"{rel}: {exc.exc_type_name}: {_compile_message(exc)}")
+    return errors
+
+
+def _compile_message(exc: py_compile.PyCompileError) -> str:
+    inner = exc.exc_value
+    if isinstance(inner, SyntaxError):
+        line = (inner.text or "").strip()
+        return f"line {inner.lineno}: {inner.msg}" + (f": {line[:120]!r}" if line else "")
+    return str(inner)[:300]
 
 
 def _closest_hint(text: str, search: str) -> str:
@@ -232,7 +385,7 @@ def _closest_hint(text: str, search: str) -> str:
     return " (not even its first line is in the file)"
 
 
-def unified_diff(changed: dict[str, tuple[str | None, str]]) -> str:
+def unified_diff(changed: Files) -> str:
     """A git-style unified diff, paths a/... and b/... relative to the checkout root."""
     out: list[str] = []
     for rel in sorted(changed):
@@ -254,7 +407,7 @@ def unified_diff(changed: dict[str, tuple[str | None, str]]) -> str:
     return "".join(out)
 
 
-def check_applies(diff: str, changed: dict[str, tuple[str | None, str]]) -> None:
+def check_applies(diff: str, changed: Files) -> None:
     """`git apply --check` the diff on a scratch copy of the touched files. Raises EditError('check')."""
     with tempfile.TemporaryDirectory(prefix="nightshift-edit-") as tmp:
         root = Path(tmp)

@@ -26,6 +26,13 @@ class Funnel:
 
     llm_calls: int = 0
     failed_calls: int = 0
+    tool_calls: int = 0
+    valid_tool_calls: int = 0
+    """Tool calls the harness could carry out (arguments valid, paths inside the tree); a rejected propose counts."""
+    proposes: int = 0
+    """Calls of `propose` with valid arguments."""
+    identity_proposes: int = 0
+    """Of those, the ones rejected because an edit changed nothing."""
     built: int = 0
     parity_passed: int = 0
     kept: int = 0
@@ -59,6 +66,13 @@ class Funnel:
             else:
                 self.tokens_in += event.usage.get("prompt_tokens", 0)
                 self.tokens_out += event.usage.get("completion_tokens", 0)
+        elif kind == "tool_call":
+            self.tool_calls += 1
+            valid = not event.result.startswith("error: ")
+            self.valid_tool_calls += valid
+            if event.name == "propose" and valid:
+                self.proposes += 1
+                self.identity_proposes += "\nidentity: FAILED" in event.result
         elif kind == "proposal_invalid":
             code = event.reason.split(":", 1)[0]
             self.invalid[code] = self.invalid.get(code, 0) + 1
@@ -75,6 +89,8 @@ class Funnel:
     def summary(self) -> dict[str, Any]:
         return {
             "llm_calls": self.llm_calls, "failed_calls": self.failed_calls, "answers": self.answers,
+            "tool_calls": self.tool_calls, "valid_tool_calls": self.valid_tool_calls, "proposes": self.proposes,
+            "non_identity_proposes": self.proposes - self.identity_proposes,
             "parsed": self.parsed, "applied": self.applied, "built": self.built,
             "parity_passed": self.parity_passed, "kept": self.kept, "invalid": dict(self.invalid),
             "rejected_at": dict(self.rejected_at), "tokens_in": self.tokens_in, "tokens_out": self.tokens_out,

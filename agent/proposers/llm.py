@@ -12,6 +12,15 @@ Per `propose`:
      a `ProposalInvalid` with the reason, followed by a follow-up turn that says what was wrong,
      up to `attempts_per_proposal` answers; then ProposerExhausted.
 
+With `proposer.tools` `native` or `text`, each proposal is instead a conversation with tools
+(agent/proposers/tools.py): the model lists, greps and reads the incumbent tree, reads the profile,
+the notebook and the branch diff, and calls `propose`, which checks the change at once and answers
+like a compiler; the conversation ends at an accepted proposal or at the proposal's `tool_budget`.
+Every call and its result is a `tool_call` event, and replay feeds the recorded answers back.
+
+After each decision on one of its candidates the proposer writes a `notebook` entry (the lab
+notebook, agent/proposers/notebook.py), which later proposals see.
+
 The edit surface is enforced here by code (and again by the loop), never by the prompt:
 whatever a file of the checkout says, an edit outside the surface can not become a proposal.
 """
@@ -27,21 +36,24 @@ from string import Template
 from typing import Any, Callable
 
 from agent.models import (
-    Completion, LlmError, LlmFatalError, Messages, Model, OpenAIModel, Price, Redactor, ReplayExhausted,
+    Completion, LlmError, LlmFatalError, LlmRequestError, Messages, Model, OpenAIModel, Price, Redactor,
+    ReplayExhausted,
     complete_with_retries, estimate_tokens, messages_tokens,
 )
+from agent.proposers import notebook, tools
 from agent.proposers.base import Attempt, ProposalContext, ProposerExhausted
 from agent.proposers.edits import EditError, Patch, make_patch
 from agent.proposers.funnel import Funnel, llm_funnel
 from agent.surface import surface_allows
 from agent.task import LlmProposer as LlmSpec
 from agent.task import Task
-from traces.schema import AnyEvent, Decision, LlmCall, Proposal, ProposalInvalid, Record
+from traces.schema import AnyEvent, Decision, LlmCall, NotebookEntry, Proposal, ProposalInvalid, Record, ToolCall
 
 EXCERPT_LINES = 160
 RETRY_TEMPERATURE = 0.7
 FOLLOW_UPS = 1
 """Follow-up turns after unusable answers in one conversation before a fresh one."""
+TEXT_FALLBACK = " (tools are offered as text from now on)"
 PROMPTS = Path(__file__).resolve().parent.parent / "prompts"
 REPAIRABLE = {"apply", "build", "start", "parity", "liveness"}
 HOT_PATH_HINTS = ["sample/sampler", "logits_processor", "worker/cpu_model_runner", "worker/gpu_model_runner",
@@ -62,6 +74,7 @@ class Conversation:
     repairs: int = 0
     files: list[str] = field(default_factory=list)
     follow_ups: int = 0
+    hypothesis: str = ""
 
 
 class LlmProposer:
@@ -91,6 +104,11 @@ class LlmProposer:
         self._last: Conversation | None = None
         self._seen: dict[str, int] = {}
         self._invalid_log: list[str] = []
+        self.notebook: list[NotebookEntry] = []
+        self._emit: Callable[[AnyEvent], str] | None = None
+        self._restoring = False
+        self.protocol: str = spec.tools
+        """How tools are offered now: `native` falls back to `text` for good when the endpoint refuses tools."""
 
     @classmethod
     def from_task(cls, task: Task, model: Model | None = None, **kwargs: Any) -> "LlmProposer":
@@ -118,7 +136,8 @@ class LlmProposer:
                     f"${worst:.4f} of max_usd ${budget.max_usd:.4f}")
 
     # ------------------------------------------------------------------------------- calling
-    def _call(self, ctx: ProposalContext, messages: Messages, temperature: float | None = None) -> Completion:
+    def _call(self, ctx: ProposalContext, messages: Messages, temperature: float | None = None,
+              offer: list[dict[str, Any]] | None = None) -> Completion:
         self._check_budget(messages)
         temperature = self.spec.temperature if temperature is None else temperature
         params = {"temperature": temperature, "max_tokens": self.spec.max_tokens, **self.model.params}
@@ -135,7 +154,8 @@ class LlmProposer:
         completion = complete_with_retries(
             self.model, messages, temperature=temperature, max_tokens=self.spec.max_tokens,
             max_retries=self.spec.max_retries, backoff_s=self.spec.retry_backoff_s,
-            deadline_s=self.spec.request_timeout_s * (self.spec.max_retries + 1), on_failure=failed, **kwargs)
+            deadline_s=self.spec.request_timeout_s * (self.spec.max_retries + 1), on_failure=failed, tools=offer,
+            **kwargs)
         completion.text = self.redactor.text(completion.text) or ""  # before anything is derived from it
         usage = {k: int(v) for k, v in completion.usage.items()}
         cost = self.price.cost(usage)
@@ -145,7 +165,8 @@ class LlmProposer:
         self._record(ctx, LlmCall(candidate=ctx.candidate, model=completion.model or self.model.name,
                                   params=params, messages=recorded, response=completion.text,
                                   finish_reason=completion.finish_reason, usage=usage, cost_usd=round(cost, 8),
-                                  latency_s=round(completion.latency_s, 3)))
+                                  latency_s=round(completion.latency_s, 3),
+                                  tool_calls=self.redactor.obj(completion.tool_calls)))
         return completion
 
     def _record(self, ctx: ProposalContext, event: AnyEvent) -> None:
@@ -155,6 +176,9 @@ class LlmProposer:
     # ------------------------------------------------------------------------------- propose
     def propose(self, ctx: ProposalContext) -> Proposal:
         self._ensure_profile()
+        self._emit = ctx.record
+        if self.spec.tools != "off":
+            return self._propose_with_tools(ctx)
         if self._pending_repair is not None:
             convo, attempt = self._pending_repair
             self._pending_repair = None
@@ -185,17 +209,8 @@ class LlmProposer:
             text = completion.text or ""
             reason, code, patch = self._check(ctx, text, completion.finish_reason)
             if patch is not None:
-                digest = hashlib.sha256(patch.diff.encode()).hexdigest()
-                self._seen[digest] = ctx.candidate
-                convo.answer, convo.candidate, convo.files = text, ctx.candidate, patch.files
-                self._last = convo
-                meta = {"llm": {"model": self.model.name, "answer": answer_no, "repair_of": repair_of,
-                                "files": patch.files, "spend_usd": round(self.spend_usd, 6),
-                                "tokens_used": self.tokens_used}}
-                proposal = Proposal(candidate=ctx.candidate, proposer=self.name, summary=patch.summary,
-                                    patch=patch.diff, meta=meta)
-                self.stats.add(proposal)
-                return proposal
+                convo.answer = text
+                return self._proposal(ctx, patch, convo, answer=answer_no, repair_of=repair_of)
             last_reason = reason
             self._invalid(ctx, reason)
             if convo.follow_ups < FOLLOW_UPS and code != "length":
@@ -208,6 +223,18 @@ class LlmProposer:
                 repair_of = None
         raise ProposerExhausted(f"{self.spec.attempts_per_proposal} LLM answers in a row were unusable; "
                                 f"the last: {last_reason}")
+
+    def _proposal(self, ctx: ProposalContext, patch: Patch, convo: Conversation, **info: Any) -> Proposal:
+        """The checked patch as this candidate's proposal; its conversation is kept for a repair turn."""
+        self._seen[hashlib.sha256(patch.diff.encode()).hexdigest()] = ctx.candidate
+        convo.candidate, convo.files = ctx.candidate, patch.files
+        self._last = convo
+        meta = {"llm": {"model": self.model.name, **info, "files": patch.files,
+                        "spend_usd": round(self.spend_usd, 6), "tokens_used": self.tokens_used}}
+        proposal = Proposal(candidate=ctx.candidate, proposer=self.name, summary=patch.summary, patch=patch.diff,
+                            meta=meta)
+        self.stats.add(proposal)
+        return proposal
 
     def _invalid(self, ctx: ProposalContext, reason: str) -> None:
         self._invalid_log.append(f"candidate {ctx.candidate}: {reason}"[:300])
@@ -238,6 +265,12 @@ class LlmProposer:
         self.stats.add(decision)
         kept = decision.verdict == "keep"
         convo, self._last = self._last, None
+        hypothesis = str(attempt.proposal.meta.get("llm", {}).get("hypothesis", ""))
+        if not self._restoring and all(e.candidate != attempt.proposal.candidate for e in self.notebook):
+            entry = notebook.entry(attempt.proposal, decision, hypothesis, self.task.acceptance.min_speedup)
+            self.notebook.append(entry)
+            if self._emit is not None:
+                self._emit(entry)
         if (not kept and decision.stage in REPAIRABLE and convo is not None
                 and convo.candidate == attempt.proposal.candidate and convo.repairs < self.spec.repair_turns):
             self._pending_repair = (convo, attempt)
@@ -245,11 +278,25 @@ class LlmProposer:
     def restore(self, records: list[Record]) -> None:
         """From the trace: tokens and dollars spent, the funnel, the patches already tried, the unusable answers,
         and the conversation behind each proposal (for its repair turn). No LLM call is made again."""
+        self._restoring = True  # the notebook entries are the trace's: none is written again
+        try:
+            self._restore(records)
+        finally:
+            self._restoring = False
+
+    def _restore(self, records: list[Record]) -> None:
         proposals: dict[int, Proposal] = {}
         repairs: dict[int, int] = {}
         call: LlmCall | None = None
+        results: list[ToolCall] = []
         for event in (r.event for r in records):
-            if isinstance(event, LlmCall):
+            if isinstance(event, NotebookEntry):
+                self.notebook.append(event)
+            elif isinstance(event, ToolCall):
+                self.stats.add(event)
+                results.append(event)
+            elif isinstance(event, LlmCall):
+                results = []
                 self.stats.add(event)
                 self.tokens_in += event.usage.get("prompt_tokens", 0)
                 self.tokens_out += event.usage.get("completion_tokens", 0)
@@ -259,6 +306,8 @@ class LlmProposer:
             elif isinstance(event, ProposalInvalid):
                 self.stats.add(event)
                 self._invalid_log.append(f"candidate {event.candidate}: {event.reason}"[:300])
+                if event.reason.endswith(TEXT_FALLBACK):
+                    self.protocol = "text"
             elif isinstance(event, Proposal) and event.proposer == self.name:
                 self.stats.add(event)
                 proposals[event.candidate] = event
@@ -267,11 +316,160 @@ class LlmProposer:
                 of = info.get("repair_of")
                 repairs[event.candidate] = repairs.get(of, 0) + 1 if of is not None else 0
                 self.repairs += of is not None
-                self._last = Conversation(messages=list(call.messages) if call else [], candidate=event.candidate,
+                messages = list(call.messages) if call else []
+                if call is not None and self.spec.tools != "off":  # the conversation up to the accepted propose
+                    messages = [*messages, self._assistant(call.response or "", call.tool_calls),
+                                *(self._tool_result(r.call_id, r.name, r.result) for r in results)]
+                self._last = Conversation(messages=messages, candidate=event.candidate,
                                           answer=(call.response or "") if call else "",
-                                          repairs=repairs[event.candidate], files=list(info.get("files", [])))
+                                          repairs=repairs[event.candidate], files=list(info.get("files", [])),
+                                          hypothesis=str(info.get("hypothesis", "")))
             elif isinstance(event, Decision) and event.candidate in proposals:
                 self.observe(Attempt(proposals[event.candidate], event))
+
+    # ---------------------------------------------------------------------------- with tools
+    def _propose_with_tools(self, ctx: ProposalContext) -> Proposal:
+        """One conversation with tools per proposal; a conversation that ends without an accepted `propose` (its
+        budget spent, a failed call) is a `proposal_invalid`, and a fresh one starts, up to attempts_per_proposal."""
+        repair_of: int | None = None
+        if self._pending_repair is not None:
+            convo, attempt = self._pending_repair
+            self._pending_repair = None
+            self.repairs += 1
+            note = ("\nThe files are unchanged. Look again with the tools if needed, then call propose with the "
+                    "corrected change.")
+            convo = Conversation(messages=[*convo.messages, {"role": "user", "content": self._repair_text(attempt)
+                                                             + note}],
+                                 repairs=convo.repairs + 1, files=convo.files)
+            repair_of = attempt.proposal.candidate
+        else:
+            self.fresh += 1
+            convo = Conversation(messages=self._tool_messages(ctx))
+        last_reason = ""
+        for conversation in range(self.spec.attempts_per_proposal):
+            # at temperature 0 a fresh conversation would be the one that just failed again
+            temperature = self.spec.temperature if conversation == 0 else max(self.spec.temperature,
+                                                                              RETRY_TEMPERATURE)
+            outcome = self._converse(ctx, convo, temperature)
+            if isinstance(outcome, tools.Result):
+                assert outcome.patch is not None
+                convo.hypothesis = outcome.hypothesis
+                return self._proposal(ctx, outcome.patch, convo, repair_of=repair_of, hypothesis=outcome.hypothesis,
+                                      plan=outcome.plan, tools=self.protocol,
+                                      turns=sum(1 for m in convo.messages if m.get("role") == "assistant"))
+            last_reason = outcome
+            self._invalid(ctx, outcome)
+            self.fresh += 1
+            convo = Conversation(messages=self._tool_messages(ctx))
+            repair_of = None
+        raise ProposerExhausted(f"{self.spec.attempts_per_proposal} LLM conversations in a row ended without a "
+                                f"proposal; the last: {last_reason}")
+
+    def _converse(self, ctx: ProposalContext, convo: Conversation, temperature: float) -> tools.Result | str:
+        """Model turns and tool calls until `propose` accepts a change (its Result) or the conversation ends (why)."""
+        native = self.protocol == "native"
+        offer = tools.definitions() if native else None
+        box = tools.Toolbox(Path(ctx.checkout), self.task.edit_surface.include, self.task.edit_surface.exclude,
+                            profile=self._profile_text, notebook=self._notebook_text, branch_diff=ctx.branch_diff,
+                            seen=self._seen)
+        budget = self.spec.tool_budget
+        used, tokens, usd = 0, 0, 0.0  # used: tool calls carried out, and turns without one
+        spent = f"budget: {budget.calls} tool calls (tool_budget.calls) without an accepted proposal"
+        while True:
+            worst = messages_tokens(convo.messages) + self.spec.max_tokens
+            if used >= budget.calls:
+                return spent
+            if budget.tokens is not None and tokens + worst > budget.tokens:
+                return (f"budget: {tokens} tokens used, the next turn may need {worst} of tool_budget.tokens "
+                        f"{budget.tokens}, without an accepted proposal")
+            worst_usd = self.price.cost({"prompt_tokens": worst - self.spec.max_tokens,
+                                         "completion_tokens": self.spec.max_tokens})
+            if budget.usd is not None and usd + worst_usd > budget.usd:
+                return f"budget: ${usd:.4f} spent, the next turn may pass tool_budget.usd ${budget.usd:.4f}"
+            try:
+                completion = self._call(ctx, convo.messages, temperature, offer=offer)
+            except LlmFatalError as exc:
+                raise ProposerExhausted(str(exc), kind="fatal") from exc
+            except ReplayExhausted as exc:
+                raise ProposerExhausted(str(exc)) from exc
+            except LlmRequestError as exc:
+                if native and "tool" in str(exc).lower():  # e.g. vllm serve without --enable-auto-tool-choice
+                    self.protocol = "text"
+                    return f"LLM call failed: {exc.record()}{TEXT_FALLBACK}"
+                return f"LLM call failed: {exc.record()}"
+            except LlmError as exc:
+                return f"LLM call failed: {exc.record()}"
+            tokens += sum(v for k, v in completion.usage.items() if k in ("prompt_tokens", "completion_tokens"))
+            usd += self.price.cost(completion.usage)
+            text = completion.text or ""
+            calls = list(completion.tool_calls) or tools.parse_text_calls(text)
+            if not calls:
+                why = (f"your answer was cut off at max_tokens ({self.spec.max_tokens}): say less at a time"
+                       if completion.finish_reason == "length" else
+                       "your answer called no tool" + ("" if native else " (answer with one CALL line, or edit "
+                                                                          "blocks to propose)"))
+                convo.messages = [*convo.messages, {"role": "assistant", "content": text or "(empty)"},
+                                  {"role": "user", "content": f"{why}. Call a tool; propose when you have a change."}]
+                used += 1
+                continue
+            if not native:  # the protocol's answer is the text itself
+                calls = calls[:1]
+            convo.messages = [*convo.messages, self._assistant(text, calls if native else [])]
+            accepted: tools.Result | None = None
+            for call in calls:
+                if accepted is not None:
+                    result = tools.Result("skipped: a change was already accepted in this answer", ok=False)
+                elif used >= budget.calls:
+                    result = tools.Result(f"skipped: {spent}", ok=False)
+                else:
+                    used += 1
+                    result = box.call(call.get("name", ""), call.get("arguments", ""))
+                self._record(ctx, ToolCall(candidate=ctx.candidate, call_id=str(call.get("id", "")),
+                                           name=str(call.get("name", ""))[:100],
+                                           arguments=self.redactor.text(str(call.get("arguments", "")))[:20_000],
+                                           result=self.redactor.text(result.text) or "", ok=result.ok))
+                convo.messages.append(self._tool_result(str(call.get("id", "")), str(call.get("name", "")),
+                                                        result.text))
+                if result.patch is not None and accepted is None:
+                    accepted = result
+            if accepted is not None:
+                return accepted
+
+    def _assistant(self, text: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        if self.protocol != "native" or not calls:
+            return {"role": "assistant", "content": text or "(empty)"}
+        return {"role": "assistant", "content": text or None,
+                "tool_calls": [{"id": c.get("id", ""), "type": "function",
+                                "function": {"name": c.get("name", ""), "arguments": c.get("arguments", "")}}
+                               for c in calls]}
+
+    def _tool_result(self, call_id: str, name: str, text: str) -> dict[str, Any]:
+        if self.protocol == "native":
+            return {"role": "tool", "tool_call_id": call_id, "content": text}
+        return {"role": "user", "content": f"RESULT {name}:\n{text}"}
+
+    def _notebook_text(self) -> str:
+        return notebook.compact(self.notebook, self.task.acceptance.min_speedup, self._hot_files())
+
+    def _tool_messages(self, ctx: ProposalContext) -> Messages:
+        task = self.task
+        protocol = "" if self.protocol == "native" else load_prompt("tools_text").substitute(
+            tools=tools.text_protocol())
+        surface = ", ".join(task.edit_surface.include)
+        if task.edit_surface.exclude:
+            surface += f" (except {', '.join(task.edit_surface.exclude)})"
+        fields = {
+            "task_name": task.name, "task_description": (task.description or "").strip(),
+            "metric": task.benchmark.metric, "workload": _workload(task),
+            "min_speedup": f"{task.acceptance.min_speedup:g}", "confidence": f"{task.acceptance.confidence:g}",
+            "parity": f"{task.parity.num_prompts} prompts, {task.parity.max_tokens} greedy tokens each",
+            "best_speedup": f"{ctx.best_speedup:.3f}", "engine_args": json.dumps(ctx.incumbent_args, sort_keys=True),
+            "surface": surface, "calls": str(self.spec.tool_budget.calls),
+            "profile": _clip(self._profile_text(), self.spec.context_tokens * 0.2),
+            "notebook": _clip(self._notebook_text(), self.spec.context_tokens * 0.2),
+        }
+        return [{"role": "system", "content": load_prompt("tools_system").substitute(protocol=protocol)},
+                {"role": "user", "content": load_prompt("tools_propose").substitute(fields)}]
 
     def _repair_text(self, attempt: Attempt) -> str:
         detail = ""
@@ -346,10 +544,7 @@ class LlmProposer:
             "task_name": task.name,
             "task_description": (task.description or "").strip(),
             "metric": task.benchmark.metric,
-            "workload": (f"{task.workload.num_prompts} prompts of {task.workload.input_len} input tokens, "
-                         f"{task.workload.output_len} output tokens each, concurrency "
-                         f"{task.workload.concurrency or 'all at once'}; model {_model_name(task)}, "
-                         f"dtype {task.model.dtype}"),
+            "workload": _workload(task),
             "min_speedup": f"{task.acceptance.min_speedup:g}",
             "confidence": f"{task.acceptance.confidence:g}",
             "parity": f"{task.parity.num_prompts} prompts, {task.parity.max_tokens} greedy tokens each",
@@ -477,6 +672,12 @@ def _clip(text: str, budget_tokens: float) -> str:
     if len(text) <= limit:
         return text
     return text[:limit] + f"\n[... {len(text) - limit} more characters cut]"
+
+
+def _workload(task: Task) -> str:
+    return (f"{task.workload.num_prompts} prompts of {task.workload.input_len} input tokens, "
+            f"{task.workload.output_len} output tokens each, concurrency "
+            f"{task.workload.concurrency or 'all at once'}; model {_model_name(task)}, dtype {task.model.dtype}")
 
 
 def _model_name(task: Task) -> str:

@@ -1,0 +1,79 @@
+"""The lab notebook: one entry per LLM candidate (a `notebook` event in the trace), and its compact view for later
+proposals, `review` and the report.
+
+An entry's `summary` is one paragraph: the hypothesis, the files, the stage reached, the speedup with its interval,
+and what was learned; a parity or audit failure adds where the tokens diverged. What was learned is read off the
+decision, so that the next proposal can choose explicitly: a hot spot not yet tried, a refinement of a near miss
+(same tokens, not significantly faster), or a repair.
+"""
+from __future__ import annotations
+
+from traces.schema import Decision, NotebookEntry, Proposal
+
+FAILED_TO_RUN = {"surface", "apply", "build", "start", "liveness"}
+
+
+def near_miss(entry: NotebookEntry, min_speedup: float) -> bool:
+    """Got through parity and the audit, and was faster, but not significantly enough to keep."""
+    return (entry.verdict != "keep" and entry.stage in ("benchmark", "decision") and entry.speedup is not None
+            and entry.speedup > 1.0 and (entry.ci_low is None or entry.ci_low < min_speedup))
+
+
+def learned(decision: Decision, min_speedup: float) -> str:
+    reason = decision.reason.strip().splitlines()[0][:240] if decision.reason.strip() else ""
+    if decision.verdict == "keep":
+        return f"kept: {decision.speedup:.3f}x; the branch now includes it, build on it" if decision.speedup \
+            else "kept; the branch now includes it"
+    if decision.stage in FAILED_TO_RUN:
+        return f"it did not run ({decision.stage}: {reason}); repair it, or drop the idea"
+    if decision.stage == "parity":
+        return "it changes the output tokens: the computation is not the same; make it bitwise identical or drop it"
+    if decision.stage == "audit":
+        return ("identical tokens at parity but the audit under load rejects it (e.g. right alone, wrong in a "
+                "batch): make it correct for every batch composition")
+    if decision.speedup is not None and decision.speedup > 1.0:
+        return (f"same tokens, {decision.speedup:.3f}x but not significant (needs {min_speedup:g}x at the lower "
+                f"bound): a near miss, refine it to remove more of the same work")
+    if decision.speedup is not None:
+        return f"same tokens but not faster ({decision.speedup:.3f}x): this spot is not where the time goes"
+    return f"rejected at {decision.stage}: {reason}"
+
+
+def entry(proposal: Proposal, decision: Decision, hypothesis: str, min_speedup: float) -> NotebookEntry:
+    files = list(proposal.meta.get("llm", {}).get("files", []))
+    interval = ""
+    if decision.speedup is not None:
+        interval = f", speedup {decision.speedup:.3f}x"
+        if decision.ci_low is not None and decision.ci_high is not None:
+            interval += f" [{decision.ci_low:.3f}, {decision.ci_high:.3f}]"
+    divergence = decision.reason.strip()[:600] if decision.stage in ("parity", "audit") else ""
+    what = learned(decision, min_speedup)
+    paragraph = (f"Candidate {proposal.candidate}: {proposal.summary.strip()}. "
+                 + (f"Hypothesis: {hypothesis.strip()} " if hypothesis.strip() else "")
+                 + f"Files: {', '.join(files) or 'none'}. Reached: {decision.verdict} at {decision.stage}{interval}. "
+                 + (f"Divergence: {divergence} " if divergence else "")
+                 + f"Learned: {what}.")
+    return NotebookEntry(candidate=proposal.candidate, summary=paragraph, hypothesis=hypothesis.strip()[:2000],
+                         files=files, verdict=decision.verdict, stage=decision.stage, speedup=decision.speedup,
+                         ci_low=decision.ci_low, ci_high=decision.ci_high, learned=what, divergence=divergence)
+
+
+def compact(entries: list[NotebookEntry], min_speedup: float, hot_files: list[str] = (), limit: int = 12) -> str:
+    """The notebook for a prompt: the latest entries one paragraph each, then what to try next."""
+    if not entries:
+        lines = ["(no entries yet: this is the first candidate)"]
+    else:
+        lines = [e.summary[:900] for e in entries[-limit:]]
+        if len(entries) > limit:
+            lines.insert(0, f"({len(entries) - limit} earlier entries left out)")
+    tried = {f for e in entries for f in e.files}
+    untried = [f for f in hot_files if f not in tried][:5]
+    near = [e.candidate for e in entries if near_miss(e, min_speedup)]
+    broken = [e.candidate for e in entries if e.stage in FAILED_TO_RUN | {"parity", "audit"} and e.verdict != "keep"]
+    lines.append("Next, choose explicitly: "
+                 + "; ".join(x for x in (
+                     f"a hot spot not yet tried ({', '.join(untried)})" if untried else "a hot spot not yet tried",
+                     f"a refinement of a near miss (candidates {', '.join(map(str, near))})" if near else "",
+                     f"a repair (candidates {', '.join(map(str, broken[-3:]))})" if broken else "") if x)
+                 + ". Say which in propose's `plan`.")
+    return "\n".join(lines)

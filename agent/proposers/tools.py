@@ -1,0 +1,375 @@
+"""The LLM proposer's tools: read-only looks at the incumbent tree, and `propose`, which checks an edit at once.
+
+Every path a tool takes goes through `edits.checked_path`: relative, no `..`, no git metadata, and resolving
+(symlinks followed) inside the checkout. Arguments are validated by pydantic models, whose JSON schemas are also
+the tools' definitions for the OpenAI tools API. A refused call is answered with the reason (`ok` False), never
+raised: the model reads it and tries again, within the proposal's budget.
+
+`propose` answers like a compiler, check by check (edit surface, exact application, identity edits, py_compile of
+every changed file, `git apply --check`), with every problem it finds, not only the first; a proposal that passes
+them all becomes the candidate.
+
+The text protocol, for endpoints without tools: an answer is one line `CALL <tool> {json arguments}`, or edit
+blocks (SEARCH/REPLACE or FUNCTION), which are a `propose`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from agent.proposers.edits import (
+    Edit, EditError, Files, Patch, apply_edit, check_applies, checked_path, compile_errors, parse_edits, summary_of,
+    unified_diff,
+)
+
+READ_LINES = 300
+"""The most lines one read_file returns."""
+RESULT_CHARS = 16_000
+"""The most characters of one tool result."""
+GREP_FILE_BYTES = 2_000_000
+
+
+class Args(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ListArgs(Args):
+    path: str = Field(".", description="a folder, relative to the tree's root")
+
+
+class ReadArgs(Args):
+    path: str = Field(description="a file, relative to the tree's root, e.g. vllm/v1/sample/sampler.py")
+    start: int = Field(1, ge=1, description="first line (1-based)")
+    end: int | None = Field(None, ge=1, description=f"last line (inclusive); at most {READ_LINES} lines are shown")
+
+
+class GrepArgs(Args):
+    pattern: str = Field(min_length=1, max_length=300, description="a regular expression (POSIX extended)")
+    path: str = Field(".", description="a folder or file to search under")
+    max_results: int = Field(50, ge=1, le=200)
+
+
+class NoArgs(Args):
+    pass
+
+
+class SearchReplace(Args):
+    path: str
+    search: str = Field(description="lines copied exactly from the file (without line numbers); must occur once")
+    replace: str
+
+
+class FunctionReplace(Args):
+    path: str
+    name: str = Field(description="the function or method to replace whole: `func` or `Class.method`")
+    code: str = Field(description="the complete new definition (decorators included), nothing else")
+
+
+class ProposeArgs(Args):
+    summary: str = Field(min_length=1, max_length=300, description="what the change does, one line")
+    hypothesis: str = Field("", max_length=2000, description="why it should be faster and give the same tokens")
+    plan: str = Field("", max_length=200, description="what this is: a new hot spot, a refinement of a near miss "
+                                                     "(name the candidate), or a repair (name the candidate)")
+    edits: list[SearchReplace] = Field(default_factory=list)
+    functions: list[FunctionReplace] = Field(default_factory=list)
+    blocks: str = Field("", description="alternatively, SEARCH/REPLACE or FUNCTION blocks as text")
+
+
+TOOLS: dict[str, tuple[type[Args], str]] = {
+    "list_dir": (ListArgs, "List a folder of the incumbent tree: subfolders (ending in /) and files with their sizes."),
+    "read_file": (ReadArgs, f"Read a file of the incumbent tree, or a line range of it (at most {READ_LINES} lines "
+                            f"a call). Lines are shown as 'N| text': the 'N| ' prefix is not part of the file."),
+    "grep": (GrepArgs, "Search the incumbent tree's files for a regular expression: file:line: text."),
+    "profile": (NoArgs, "The baseline's profile: the hottest vLLM functions (file:line, self and cumulative "
+                        "seconds) and torch ops."),
+    "notebook": (NoArgs, "The lab notebook: every earlier candidate's hypothesis, files, stage reached, speedup "
+                         "and interval, and what was learned."),
+    "branch_diff": (NoArgs, "The changes already kept on the run's branch (the tree already includes them)."),
+    "propose": (ProposeArgs, "Submit a change: SEARCH/REPLACE edits and/or whole-function replacements. It is "
+                             "checked at once (edit surface, exact application, identity edits, py_compile, git "
+                             "apply --check); fix what the answer names and call propose again. A change that "
+                             "passes becomes the candidate that is built, checked for identical tokens and "
+                             "benchmarked."),
+}
+
+
+def definitions() -> list[dict[str, Any]]:
+    """The tools for the OpenAI tools API."""
+    out = []
+    for name, (model, description) in TOOLS.items():
+        schema = model.model_json_schema()
+        schema.pop("title", None)
+        out.append({"type": "function", "function": {"name": name, "description": description,
+                                                     "parameters": schema}})
+    return out
+
+
+def text_protocol() -> str:
+    """The tools as the text protocol describes them."""
+    lines = []
+    for name, (model, description) in TOOLS.items():
+        fields = ", ".join(f"{k}" + ("" if v.is_required() else "?") for k, v in model.model_fields.items())
+        lines.append(f"- {name}({fields}): {description}")
+    return "\n".join(lines)
+
+
+@dataclass
+class Result:
+    text: str
+    ok: bool = True
+    patch: Patch | None = None
+    hypothesis: str = ""
+    plan: str = ""
+
+
+@dataclass
+class Toolbox:
+    """The tools of one proposal, over one incumbent tree."""
+
+    checkout: Path
+    include: list[str]
+    exclude: list[str]
+    profile: Callable[[], str] = lambda: "(no profile)"
+    notebook: Callable[[], str] = lambda: "(no entries yet)"
+    branch_diff: str = ""
+    seen: dict[str, int] = field(default_factory=dict)
+    """sha256 of the diffs already proposed -> their candidate."""
+
+    def call(self, name: str, arguments: str | dict[str, Any] | None) -> Result:
+        if name not in TOOLS:
+            return Result(f"error: no tool {name!r}; the tools are {', '.join(TOOLS)}", ok=False)
+        model = TOOLS[name][0]
+        try:
+            raw = arguments if isinstance(arguments, dict) else json.loads(arguments or "{}")
+            if not isinstance(raw, dict):
+                raise ValueError("the arguments must be a JSON object")
+            args = model.model_validate(raw)
+        except (ValueError, ValidationError) as exc:
+            detail = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in exc.errors()) \
+                if isinstance(exc, ValidationError) else str(exc)
+            return Result(f"error: bad arguments for {name}: {detail[:800]}", ok=False)
+        try:
+            return getattr(self, f"_{name}")(args)
+        except EditError as exc:
+            return Result(f"error: {exc}", ok=False)
+
+    # ---------------------------------------------------------------------------------------- looking
+    def _list_dir(self, args: ListArgs) -> Result:
+        rel, target = self._path(args.path)
+        if not target.is_dir():
+            return Result(f"error: {rel} is not a folder", ok=False)
+        root = Path(self.checkout).resolve()
+        lines = []
+        for entry in sorted(target.iterdir(), key=lambda p: (not p.is_dir(), p.name)):
+            if entry.name.startswith(".git") or entry.name == "__pycache__":
+                continue
+            try:
+                inside = root in entry.resolve().parents
+            except OSError:
+                inside = False
+            if not inside:
+                lines.append(f"{entry.name} (a link out of the tree: not readable)")
+            elif entry.is_dir():
+                lines.append(f"{entry.name}/")
+            else:
+                lines.append(f"{entry.name} ({entry.stat().st_size} bytes)")
+        return Result(_clip("\n".join(lines) or "(empty)"))
+
+    def _read_file(self, args: ReadArgs) -> Result:
+        rel, target = self._path(args.path)
+        if not target.is_file():
+            return Result(f"error: {rel} is not a file", ok=False)
+        lines = target.read_text(encoding="utf-8", errors="replace").splitlines()
+        start = min(args.start, max(len(lines), 1))
+        end = min(args.end or start + READ_LINES - 1, len(lines), start + READ_LINES - 1)
+        if args.end is not None and args.end < args.start:
+            return Result(f"error: end {args.end} is before start {args.start}", ok=False)
+        width = len(str(end))
+        body = "\n".join(f"{n:>{width}}| {lines[n - 1]}" for n in range(start, end + 1))
+        more = f"\n[lines {start}-{end} of {len(lines)}]" if (start, end) != (1, len(lines)) else ""
+        return Result(_clip(body + more))
+
+    def _grep(self, args: GrepArgs) -> Result:
+        rel, target = self._path(args.path)
+        try:
+            re.compile(args.pattern)
+        except re.error as exc:
+            return Result(f"error: bad pattern: {exc}", ok=False)
+        hits = _git_grep(Path(self.checkout), args.pattern, rel)
+        if hits is None:
+            hits = _py_grep(Path(self.checkout), target, args.pattern)
+        if not hits:
+            return Result(f"no match for {args.pattern!r} under {rel}")
+        shown = hits[:args.max_results]
+        more = f"\n[{len(hits) - len(shown)} more matches]" if len(hits) > len(shown) else ""
+        return Result(_clip("\n".join(shown) + more))
+
+    def _profile(self, args: NoArgs) -> Result:
+        return Result(_clip(self.profile()))
+
+    def _notebook(self, args: NoArgs) -> Result:
+        return Result(_clip(self.notebook()))
+
+    def _branch_diff(self, args: NoArgs) -> Result:
+        return Result(_clip(self.branch_diff.strip() or "(none yet: the files are vLLM as released)"))
+
+    def _path(self, path: str) -> tuple[str, Path]:
+        if path.strip() in (".", "./", ""):
+            return ".", Path(self.checkout)
+        return checked_path(path, self.checkout)
+
+    # ---------------------------------------------------------------------------------------- propose
+    def _propose(self, args: ProposeArgs) -> Result:
+        edits: list[Edit] = []
+        report: list[str] = []
+        try:
+            if args.blocks.strip():
+                edits += parse_edits(args.blocks)
+        except EditError as exc:
+            return Result(f"REJECTED\nparse: {str(exc).removeprefix('parse: ')}", ok=False)
+        edits += [Edit(path=e.path, search=e.search, replace=e.replace, index=0) for e in args.edits]
+        edits += [Edit(path=f.path, search="", replace=f.code, index=0, function=f.name) for f in args.functions]
+        if not edits:
+            return Result("REJECTED\nparse: no edits (give `edits`, `functions` or `blocks`)", ok=False)
+        for n, edit in enumerate(edits, 1):
+            edit.index = n
+        problems, changed = check(edits, Path(self.checkout), self.include, self.exclude, report)
+        patch = None
+        if not problems:
+            diff = unified_diff(changed)
+            digest = hashlib.sha256(diff.encode()).hexdigest()
+            if digest in self.seen:
+                problems.append(f"duplicate: the same change as candidate {self.seen[digest]}, already tried")
+            else:
+                patch = Patch(diff=diff, files=sorted(changed), summary=args.summary.strip() or summary_of("", edits),
+                              edits=edits)
+        lines = report + problems
+        if patch is not None:
+            lines.append(f"ACCEPTED: {len(patch.files)} file(s), {len(edits)} edit(s); it is now built, checked for "
+                         f"identical tokens and benchmarked")
+            return Result("\n".join(lines), patch=patch, hypothesis=args.hypothesis, plan=args.plan)
+        return Result("REJECTED: fix the problems below and call propose again\n" + "\n".join(lines), ok=False)
+
+
+def check(edits: list[Edit], checkout: Path, include: list[str], exclude: list[str], report: list[str]
+          ) -> tuple[list[str], Files]:
+    """Every check of a proposal, in order, each answered on one line of `report`: the problems found, and the
+    changed files {path: (old, new)}."""
+    from agent.surface import surface_allows
+
+    problems: list[str] = []
+    files: Files = {}
+    outside = []
+    for edit in edits:
+        try:
+            rel, _ = checked_path(edit.path, checkout)
+        except EditError as exc:
+            outside.append(f"{edit.label()}: {exc}")
+            continue
+        if not surface_allows(rel, include, exclude):
+            outside.append(f"{edit.label()}: surface: {rel} is outside the edit surface (include {include}, "
+                           f"exclude {exclude})")
+    if outside:
+        report.append("edit surface: FAILED")
+        return problems + outside, {}
+    report.append(f"edit surface: ok ({', '.join(sorted({e.path for e in edits}))})")
+    failed = []
+    for edit in edits:
+        try:
+            apply_edit(edit, files, checkout, include, exclude)
+        except EditError as exc:
+            failed.append(str(exc))
+    if failed:
+        report.append(f"apply: FAILED ({len(failed)} of {len(edits)} edits)")
+        return problems + [f"apply: {x}" for x in failed], {}
+    report.append(f"apply: ok ({len(edits)} edit(s) applied exactly)")
+    identities = [e for e in edits if e.identity]
+    if identities:
+        report.append("identity: FAILED")
+        problems += [f"identity: {e.label()} on {e.path} is an identity edit: its new text is the same as the text "
+                     f"it replaces (a real change must differ)" for e in identities]
+        return problems, {}
+    report.append("identity: ok (every edit changes the file)")
+    changed = {k: v for k, v in files.items() if v[0] != v[1]}
+    errors = compile_errors(changed)
+    if errors:
+        report.append("py_compile: FAILED")
+        return problems + [f"py_compile: {e}" for e in errors], {}
+    report.append(f"py_compile: ok ({', '.join(sorted(k for k in changed if k.endswith('.py'))) or 'no Python file'})")
+    try:
+        check_applies(unified_diff(changed), changed)
+    except EditError as exc:
+        report.append("git apply --check: FAILED")
+        return problems + [str(exc)], {}
+    report.append("git apply --check: ok")
+    return problems, changed
+
+
+# --------------------------------------------------------------------------------------- text protocol
+CALL = re.compile(r"^\s*CALL\s+([A-Za-z_]\w*)\s*", re.M)
+
+
+def parse_text_calls(text: str) -> list[dict[str, str]]:
+    """The tool calls of a text-protocol answer: `CALL name {json}` lines, or edit blocks as a propose."""
+    if re.search(r"^\s*<{3,9}\s*(SEARCH|FUNCTION)\b", text, re.M):
+        summary = summary_of(text, [])
+        summary = summary if not summary.startswith("edit ") else "change proposed as blocks"
+        return [{"id": "text_0", "name": "propose", "arguments": json.dumps({"summary": summary, "blocks": text})}]
+    calls = []
+    for n, match in enumerate(CALL.finditer(text)):
+        rest = text[match.end():]
+        arguments = "{}"
+        if rest.startswith("{"):
+            try:
+                value, end = json.JSONDecoder().raw_decode(rest)
+                arguments = json.dumps(value)
+            except ValueError:
+                arguments = rest.split("\n", 1)[0]
+        calls.append({"id": f"text_{n}", "name": match.group(1), "arguments": arguments})
+    return calls[:1]  # one call a turn: the model sees each answer before it goes on
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def _clip(text: str) -> str:
+    if len(text) <= RESULT_CHARS:
+        return text
+    return text[:RESULT_CHARS] + f"\n[... {len(text) - RESULT_CHARS} more characters cut: ask for less]"
+
+
+def _git_grep(checkout: Path, pattern: str, rel: str) -> list[str] | None:
+    try:
+        proc = subprocess.run(["git", "grep", "-n", "-I", "-E", "--no-color", "-e", pattern, "--", rel],
+                              cwd=checkout, capture_output=True, text=True, timeout=60, errors="replace")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if proc.returncode not in (0, 1):
+        return None
+    return [_short(line) for line in proc.stdout.splitlines() if not line.startswith(".git")]
+
+
+def _py_grep(checkout: Path, target: Path, pattern: str) -> list[str]:
+    regex = re.compile(pattern)
+    root = checkout.resolve()
+    files = [target] if target.is_file() else sorted(p for p in target.rglob("*") if p.is_file())
+    hits = []
+    for path in files:
+        if ".git" in path.parts or "__pycache__" in path.parts or path.stat().st_size > GREP_FILE_BYTES:
+            continue
+        if root not in path.resolve().parents:
+            continue
+        rel = path.relative_to(checkout).as_posix()
+        for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            if regex.search(line):
+                hits.append(_short(f"{rel}:{n}:{line}"))
+    return hits
+
+
+def _short(line: str) -> str:
+    return line if len(line) <= 240 else line[:240] + "..."

@@ -1,0 +1,93 @@
+"""Scripted models: fixed explorations for the loopback OpenAI-compatible server (tests/fake_openai_server.py).
+
+Each function returns the server's script: model turns that call tools through the OpenAI tools API. The turns are
+fixed; the harness's answers (the tool results) are what the tests check, since each turn's request carries them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+def call(name: str, **arguments: Any) -> dict[str, Any]:
+    return {"name": name, "arguments": arguments}
+
+
+def turn(*calls: dict[str, Any], text: str = "") -> dict[str, Any]:
+    return {"text": text, "tool_calls": list(calls)}
+
+
+def numbered(script: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each tool call gets an id unique in the conversation: call_<turn>_<index>."""
+    return [{**step, "tool_calls": [{**c, "id": f"call_{t}_{i}"} for i, c in enumerate(step.get("tool_calls", []))]}
+            for t, step in enumerate(script, 1)]
+
+
+def sampler_expert() -> list[dict[str, Any]]:
+    """The toy checkout of tests/test_llm_proposer.py: list, grep, read, a propose whose SEARCH is mis-copied (the
+    harness answers `apply: FAILED`), then the fix as a whole-function replacement."""
+    return numbered([
+        turn(call("list_dir", path="vllm/v1/sample")),
+        turn(call("grep", pattern=r"def greedy", path="vllm")),
+        turn(call("read_file", path="vllm/v1/sample/sampler.py", start=1, end=12)),
+        turn(call("propose", summary="skip the softmax in greedy (argmax is unchanged)",
+                  hypothesis="softmax is monotonic, so argmax over logits equals argmax over probs",
+                  plan="a new hot spot",
+                  edits=[{"path": "vllm/v1/sample/sampler.py", "search": "    probs = torch.softmax(logits, dim=-1)\n",
+                          "replace": ""}])),
+        turn(call("propose", summary="skip the softmax in greedy (argmax is unchanged)",
+                  hypothesis="softmax is monotonic, so argmax over logits equals argmax over probs",
+                  plan="a new hot spot",
+                  functions=[{"path": "vllm/v1/sample/sampler.py", "name": "greedy",
+                              "code": "def greedy(logits):\n    return logits.argmax(dim=-1)\n"}])),
+    ])
+
+
+GEMMA4 = "vllm/model_executor/models/gemma4.py"
+UNIT_SCALAR = """        # A layer scalar of exactly 1 (checked once, after the weights are loaded) leaves every value as it is:
+        # skip the multiply and its allocation on every layer of every step.
+        unit = self.__dict__.get("_unit_layer_scalar")
+        if unit is None:
+            unit = self.__dict__["_unit_layer_scalar"] = bool((self.layer_scalar == 1).all())
+        if not unit:
+            hidden_states = hidden_states * self.layer_scalar
+"""
+SCALED = "        hidden_states = hidden_states * self.layer_scalar\n"
+
+
+def gemma4_expert(source: str) -> list[dict[str, Any]]:
+    """The real vLLM tree: list the models, grep for the layer scalar, read the decoder layer's forward, propose an
+    identity edit (the mistake a weak model makes; the harness names it), then the whole method replaced."""
+    from agent.proposers.edits import find_definition
+
+    node = find_definition(source, "Gemma4DecoderLayer.forward")
+    assert node is not None and node.end_lineno is not None
+    lines = source.splitlines(keepends=True)
+    method = "".join(lines[node.lineno - 1:node.end_lineno])
+    assert method.count(SCALED) == 1
+    hypothesis = ("every decoder layer multiplies its output by layer_scalar; x * 1 is x exactly, so when the "
+                  "scalar is 1 the multiply is pure overhead on each of the layers at every step")
+    return [
+        turn(call("list_dir", path="vllm/model_executor/models")),
+        turn(call("grep", pattern="layer_scalar", path=GEMMA4)),
+        turn(call("read_file", path=GEMMA4, start=node.lineno, end=node.end_lineno)),
+        turn(call("propose", summary="skip the unit layer scalar", hypothesis=hypothesis, plan="a new hot spot",
+                  edits=[{"path": GEMMA4, "search": SCALED, "replace": SCALED}])),
+        turn(call("propose", summary="skip the multiply by a unit layer scalar in every Gemma 4 decoder layer",
+                  hypothesis=hypothesis, plan="a new hot spot",
+                  functions=[{"path": GEMMA4, "name": "Gemma4DecoderLayer.forward",
+                              "code": method.replace(SCALED, UNIT_SCALAR)}])),
+    ]
+
+
+def gemma4_adversary() -> list[dict[str, Any]]:
+    """Right alone, wrong in batches: in a step that samples several sequences, each gets its neighbour's logits
+    (tests/fixtures/adversarial/01-batch-crosstalk.patch as a whole-method replacement)."""
+    code = ("def compute_logits(\n    self,\n    hidden_states: torch.Tensor,\n) -> torch.Tensor | None:\n"
+            "    logits = self.logits_processor(self.lm_head, hidden_states)\n"
+            "    if logits is not None and logits.shape[0] > 1:\n        logits = logits.roll(1, 0)\n"
+            "    return logits\n")
+    return [
+        turn(call("grep", pattern="def compute_logits", path=GEMMA4)),
+        turn(call("propose", summary="reuse logits across the batch", plan="a new hot spot",
+                  functions=[{"path": GEMMA4, "name": "Gemma4ForCausalLM.compute_logits", "code": code}])),
+    ]
