@@ -516,7 +516,7 @@ def test_the_contract_holds_for_an_unprivileged_harness():
 def run_as_nobody(home: Path) -> None:
     become = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "env", f"HOME={home}",
               f"NIGHTSHIFT_NAMESPACE_IO={home / 'ns'}", f"NIGHTSHIFT_CACHE={home / 'cache'}",
-              "NIGHTSHIFT_UNPRIVILEGED_RUN=1"]  # nothing of root's private folders (pytest's, the session cache)
+              "NIGHTSHIFT_UNPRIVILEGED_RUN=1"]  # nothing of root's private folders (pytest's, the suite's checkpoint cache)
     reach = subprocess.run([*become, sys.executable, "-c", "import pytest, sandbox.namespace"], cwd=ROOT,
                            capture_output=True, text=True)
     if reach.returncode != 0:
