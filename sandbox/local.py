@@ -18,8 +18,8 @@ from sandbox.host import marked_processes, owner_alive, process_identity, runnin
 
 RECORDER = Path(__file__).parent / "recorder"
 PASSED_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "LD_LIBRARY_PATH",
-              "CUDA_HOME", "CUDA_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-              "NVSHMEM_DISABLE_NVLS")
+              "CUDA_HOME", "CUDA_VISIBLE_DEVICES")
+"""Host variables a server inherits; anything else it needs (NCCL, NVSHMEM settings) is the task's engine.env."""
 CACHE_DIRS = ("cache", ".triton")
 """Per-server compile caches under the server's HOME (vLLM/inductor under cache/, Triton under .triton/)."""
 PASSED_PREFIXES = ("VLLM_", "NVIDIA_")

@@ -31,6 +31,18 @@ def test_environment_is_scrubbed_of_secrets(tmp_path, monkeypatch):
     assert env["HOME"] == str(tmp_path) and env["PYTHONPATH"].split(os.pathsep)[1] == str(tmp_path)
 
 
+def test_multicast_settings_come_from_the_task_not_the_host(tmp_path, monkeypatch):
+    """The GPU task sets NVLink multicast off in its engine.env; a harness's own NCCL settings do not leak in."""
+    from agent.task import load_task
+
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    env = server_env(spec(tmp_path), tmp_path, tmp_path / "log", tmp_path)
+    assert "NCCL_NVLS_ENABLE" not in env
+    task = load_task(Path(__file__).resolve().parent.parent / "tasks" / "gemma4-e2b.yaml")
+    env = server_env(spec(tmp_path, env=task.engine.env), tmp_path, tmp_path / "log", tmp_path)
+    assert (env["NCCL_NVLS_ENABLE"], env["TORCH_SYMM_MEM_DISABLE_MULTICAST"], env["NVSHMEM_DISABLE_NVLS"]) == ("0", "1", "1")
+
+
 def test_serve_argv_spells_flags():
     argv = serve_argv(ServerSpec(name="x", source_tree=Path("/t"), model_dir=Path("/m"),
                                  engine_args={"max_num_seqs": 8, "enforce_eager": True, "enable_prefix_caching": False,
