@@ -17,6 +17,9 @@ from sandbox.local import (RECORDER, LocalSandbox, LocalServer, free_port, recor
                            server_env, wait_healthy)
 
 
+pytestmark = pytest.mark.serial  # serial: CPU seconds of process trees and the settle wait
+
+
 def spec(tmp_path, **kw) -> ServerSpec:
     return ServerSpec(name="c1", source_tree=tmp_path, model_dir=tmp_path, **kw)
 

@@ -29,6 +29,9 @@ CHROMIUM, DRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 GRID = dict(input_lens=[8, 16, 120], output_lens=[32], concurrency=[1, 4])
 
 
+pytestmark = [pytest.mark.serial, pytest.mark.slow]  # serial: verify's speedup bounds (a 4x faster head) and headless Chromium
+
+
 @pytest.fixture(scope="module")
 def fake_model(tmp_path_factory) -> Path:
     """A config with a context limit, so that one grid cell cannot run."""
