@@ -31,7 +31,7 @@ NO_CHILD_KILLING = {"RAY_kill_child_processes_on_worker_exit": "0", "RAY_process
 (as where the raylet itself was killed) and the resumed run must kill them."""
 
 
-pytestmark = pytest.mark.slow  # each crash point runs a parallel run on Ray twice
+pytestmark = [pytest.mark.serial, pytest.mark.slow]  # serial: keeps by speed must repeat the uninterrupted run's
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,9 @@ PATCHES = {  # the baseline takes 20 ms a token: passes long enough to measure o
 }
 
 
+pytestmark = pytest.mark.serial  # serial: keeps by speed must repeat the uninterrupted run's
+
+
 def harness(*args: str, crash: str = "", timeout: float = 120) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != CRASH_ENV}
     env["PYTHONPATH"] = str(ROOT)
