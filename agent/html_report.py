@@ -12,6 +12,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from agent.proposers.funnel import got_through
+from agent.task import Acceptance
 from traces import read_trace
 from traces.schema import BenchReport, Commit, Decision, Record, RunFinished, RunStarted, TokenAudit
 
@@ -115,7 +116,7 @@ def funnel(records: list[Record], figs: Figures) -> str:
 
 def speedups(records: list[Record], figs: Figures) -> str:
     started: RunStarted = records[0].event
-    min_speedup = started.task.get("acceptance", {}).get("min_speedup", 1.0)
+    min_speedup = Acceptance.model_validate(started.task.get("acceptance", {})).min_speedup
     verdicts = {d.candidate: d.verdict for d in _events(records, "decision")}
     reports: list[BenchReport] = _events(records, "benchmark")
     fig = go.Figure()

@@ -8,7 +8,8 @@ import socket
 import time
 from pathlib import Path
 
-from sandbox.local import process_identity, reap_servers
+from sandbox.host import process_identity
+from sandbox.local import reap_servers
 
 
 def reap_workers(run_dir: Path, wait_s: float = 10) -> int:

@@ -36,7 +36,7 @@ optimistic bound (perfect overlap, no scheduling gaps), so a measured throughput
 
 For Gemma 4 E2B (config in tasks/models/gemma-4-e2b) and 1024 in / 256 out this gives
 4.08 GFLOP per total token (3.75 GFLOP of linear work per token, 0.81 GFLOP of LM head per
-output token, 0.17 GFLOP of attention per token on average); the issue's estimate was about 4.1.
+output token, 0.17 GFLOP of attention per token on average); a hand estimate gave about 4.1.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from agent.setup import RunSetup
 from agent.trial import Trial
 from agent.workspace import Workspace, serve_args_at
 from sandbox import make_sandbox
-from sandbox.local import process_identity
+from sandbox.host import process_identity
 from traces.schema import Decision, Proposal, TokenAudit
 
 STAGE_OF = {"proposal": "surface", "patch_applied": "build", "build": "start", "parity": "benchmark",

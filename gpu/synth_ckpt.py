@@ -11,7 +11,7 @@ Recipe (same idea as agent/checkpoint.py, self-contained: it needs only torch an
        exp(s*u_i - s^2), u_i ~ N(0,1) from a generator seeded with seed+1 (mean square of the
        factors is 1). A heavy tail of embedding norms makes the top-1 logit stand out from the
        262144-way crowd instead of being the maximum of i.i.d. Gaussians, whose top1-top2 gap is
-       only about sigma/sqrt(2 ln V) (median ~0.11 nats with HF's init: the issue's 0.1-0.16).
+       only about sigma/sqrt(2 ln V) (median ~0.11 nats with HF's init, against 0.1-0.16 estimated by hand).
      - norm_scale a: the final RMSNorm weight (init ones in Gemma 4) is multiplied by a, which
        scales all pre-softcap logits by a. Alone it cannot give large margins, because
        final_logit_softcapping=30 compresses the top of a Gaussian logit distribution.

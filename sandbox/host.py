@@ -114,9 +114,24 @@ def describe_snapshot(snap: dict) -> str:
     return text
 
 
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
 def process_identity(pid: int) -> str:
-    """host:pid:start-time, which a reused pid does not share."""
-    return f"{socket.gethostname()}:{pid}:{start_time(pid)}"
+    """`host:boot id:pid:start time` of a running process, which neither a reused pid nor a reboot shares;
+    "" where /proc cannot tell, or the process is dead (a zombie)."""
+    start, boot = start_time(pid), boot_id()
+    return "" if start == "?" or not boot else f"{socket.gethostname()}:{boot}:{pid}:{start}"
+
+
+def same_boot(identity: str) -> bool:
+    """Whether IDENTITY was taken on this host since its last boot."""
+    parts = identity.split(":")
+    return len(parts) == 4 and parts[0] == socket.gethostname() and parts[1] == boot_id() != ""
 
 
 def start_time(pid: int) -> str:
@@ -143,13 +158,10 @@ def running(pid: int) -> bool:
 
 def owner_alive(owner: str) -> bool:
     """Whether the harness process that started a server still runs (other hosts: assume so)."""
-    try:
-        host, pid, start = owner.rsplit(":", 2)
-    except ValueError:
+    parts = owner.split(":")
+    if len(parts) != 4 or not parts[2].isdigit():
         return False
-    if host != socket.gethostname():
-        return True
-    return pid.isdigit() and start != "?" and start_time(int(pid)) == start
+    return parts[0] != socket.gethostname() or process_identity(int(parts[2])) == owner
 
 
 SERVER_HOME_ENV, OWNER_ENV = "NIGHTSHIFT_SERVER_HOME", "NIGHTSHIFT_OWNER"

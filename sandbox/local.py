@@ -15,12 +15,12 @@ from pathlib import Path
 
 from sandbox.base import Endpoint, Outcome, Reachable, ServerSpec, build_env, read_imports, serve_argv, wait_healthy
 from sandbox.config import SandboxConfig
-from sandbox.host import marked_processes, owner_alive, running, server_marks, start_time, stat_fields
+from sandbox.host import marked_processes, owner_alive, process_identity, running, same_boot, server_marks, stat_fields
 
 RECORDER = Path(__file__).parent / "recorder"
 PASSED_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "LD_LIBRARY_PATH",
-              "CUDA_HOME", "CUDA_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-              "NVSHMEM_DISABLE_NVLS")
+              "CUDA_HOME", "CUDA_VISIBLE_DEVICES")
+"""Host variables a server inherits; anything else it needs (NCCL, NVSHMEM settings) is the task's engine.env."""
 CACHE_DIRS = ("cache", ".triton")
 """Per-server compile caches under the server's HOME (vLLM/inductor under cache/, Triton under .triton/)."""
 PASSED_PREFIXES = ("VLLM_", "NVIDIA_")
@@ -153,16 +153,6 @@ def record_server(home: Path, pid: int) -> None:
         os.replace(part, home / name)
 
 
-def process_identity(pid: int) -> str:
-    """`<boot id> <start time>` of a running process; "" where /proc cannot tell, or it is dead (a zombie)."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-    start = start_time(pid)
-    return "" if start == "?" else f"{boot} {start}"
-
-
 def _group_members(pgid: int) -> list[int]:
     """The processes of group PGID that still run (a zombie is dead: it waits only for its parent)."""
     members = []
@@ -182,7 +172,7 @@ def _ours(pgid: int, recorded: str) -> bool:
         return True
     if running(pgid):
         return process_identity(pgid) == recorded
-    return process_identity(os.getpid()).split(" ")[0] == recorded.split(" ")[0] and bool(_group_members(pgid))
+    return same_boot(recorded) and bool(_group_members(pgid))
 
 
 def reap_servers(runs_root: Path, wait_s: float = 10) -> int:

@@ -8,6 +8,15 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """A test with the real vLLM or a Docker engine holds the machine: it is `serial` (marked before `-m`
+    selects)."""
+    for item in items:
+        if item.get_closest_marker("vllm") or item.get_closest_marker("docker"):
+            item.add_marker(pytest.mark.serial)
+
+
 def has_vllm() -> bool:
     return importlib.util.find_spec("vllm") is not None
 

@@ -28,7 +28,7 @@ from tests.hostile.plant import hostile_spec, observed
 def hostile(tmp_path: Path, act: str, name: str | None = None, **fields) -> ServerSpec:
     return hostile_spec(tmp_path, act, name, fields.pop("startup_timeout_s", 120), **fields)
 
-pytestmark = [pytest.mark.docker, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(900)]
 
 IMAGE = os.environ.get("NIGHTSHIFT_SANDBOX_IMAGE", "nightshift-sandbox:cpu")
 ROOT = Path(__file__).resolve().parents[1]

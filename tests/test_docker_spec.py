@@ -199,9 +199,10 @@ def test_reaping_tells_a_dead_harness_from_a_live_one():
     identity = process_identity(child.pid)
     child.wait()
     assert not owner_alive(identity)
-    host, pid, start = process_identity(os.getpid()).rsplit(":", 2)
-    assert not owner_alive(f"{host}:{pid}:{int(start) + 1}")  # the pid was reused by another process
-    assert owner_alive(f"another-host:{pid}:{start}")  # cannot tell: keep it
+    host, boot, pid, start = process_identity(os.getpid()).split(":")
+    assert not owner_alive(f"{host}:{boot}:{pid}:{int(start) + 1}")  # the pid was reused by another process
+    assert not owner_alive(f"{host}:{boot[::-1]}:{pid}:{start}")  # a harness of an earlier boot is gone
+    assert owner_alive(f"another-host:{boot}:{pid}:{start}")  # cannot tell: keep it
     assert not owner_alive("garbage")
 
 

@@ -21,7 +21,7 @@ from agent.workspace import SERVE_FILE, serve_args_at
 from traces import TraceError, read_trace
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3000)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3000)]
 
 
 def run_task(tmp_path, checkout, **overrides):

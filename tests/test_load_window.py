@@ -18,6 +18,9 @@ SERVER = Path(__file__).parent / "fake_ramp_server.py"
 DELAY_S, LANES, TOKENS = 0.02, 4, 10
 
 
+pytestmark = pytest.mark.serial  # serial: a pass's steady-state throughput against the known one
+
+
 @pytest.fixture(scope="module")
 def endpoint():
     port = free_port()

@@ -11,10 +11,13 @@ from pathlib import Path
 import pytest
 
 from sandbox.base import SandboxError, ServerSpec, serve_argv
-from sandbox.host import OWNER_ENV, cpu_seconds, marked_processes, running, server_marks, start_time
-from sandbox.host import process_identity as harness_identity
-from sandbox.local import (RECORDER, LocalSandbox, LocalServer, free_port, process_identity, record_server,
+from sandbox.host import (OWNER_ENV, cpu_seconds, marked_processes, process_identity, running, server_marks,
+                          start_time)
+from sandbox.local import (RECORDER, LocalSandbox, LocalServer, free_port, record_server,
                            server_env, wait_healthy)
+
+
+pytestmark = pytest.mark.serial  # serial: CPU seconds of process trees and the settle wait
 
 
 def spec(tmp_path, **kw) -> ServerSpec:
@@ -29,6 +32,18 @@ def test_environment_is_scrubbed_of_secrets(tmp_path, monkeypatch):
     assert "sk-secret" not in env.values() and "hf-secret" not in env.values()
     assert "MY_SECRET" not in env and env["VLLM_X"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert env["HOME"] == str(tmp_path) and env["PYTHONPATH"].split(os.pathsep)[1] == str(tmp_path)
+
+
+def test_multicast_settings_come_from_the_task_not_the_host(tmp_path, monkeypatch):
+    """The GPU task sets NVLink multicast off in its engine.env; a harness's own NCCL settings do not leak in."""
+    from agent.task import load_task
+
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    env = server_env(spec(tmp_path), tmp_path, tmp_path / "log", tmp_path)
+    assert "NCCL_NVLS_ENABLE" not in env
+    task = load_task(Path(__file__).resolve().parent.parent / "tasks" / "gemma4-e2b.yaml")
+    env = server_env(spec(tmp_path, env=task.engine.env), tmp_path, tmp_path / "log", tmp_path)
+    assert (env["NCCL_NVLS_ENABLE"], env["TORCH_SYMM_MEM_DISABLE_MULTICAST"], env["NVSHMEM_DISABLE_NVLS"]) == ("0", "1", "1")
 
 
 def test_serve_argv_spells_flags():
@@ -69,11 +84,51 @@ def sleeper(env: dict | None = None) -> subprocess.Popen:
                             env={**os.environ, **(env or {})})
 
 
+def test_a_group_whose_leader_died_is_reaped_only_if_recorded_since_this_boot(tmp_path):
+    """record_server writes the identity every backend uses (host, boot, pid, start time): a group whose leader
+    died is killed when it was recorded since this boot, and left alone when recorded before a reboot (its pgid
+    then names some other group)."""
+    from sandbox.local import _group_members
+
+    dead_owner = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead_owner.wait()
+    reaped = {}
+    for case in ("this boot", "an earlier boot"):
+        home = tmp_path / case.replace(" ", "-") / "old-run" / "servers" / "c1"
+        home.mkdir(parents=True)
+        leader = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen("
+                                   "[sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)"],
+                                  start_new_session=True)
+        deadline = time.time() + 10
+        while len(_group_members(leader.pid)) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        record_server(home, leader.pid)
+        identity = (home / "identity").read_text()
+        assert identity == process_identity(leader.pid) and identity.split(":")[2] == str(leader.pid)
+        if case == "an earlier boot":
+            host, boot, pid, start = identity.split(":")
+            (home / "identity").write_text(f"{host}:{boot[::-1]}:{pid}:{start}")
+        (home / "owner").write_text(str(dead_owner.pid))
+        leader.kill()
+        leader.wait()
+        members = _group_members(leader.pid)
+        assert len(members) == 1
+        try:
+            reaped[case] = LocalSandbox(None, home.parent.parent.parent / "new-run").reap()
+            deadline = time.time() + 10
+            while _group_members(leader.pid) and time.time() < deadline and reaped[case]:
+                time.sleep(0.05)
+            reaped[case] = (reaped[case], bool(_group_members(leader.pid)))
+        finally:
+            os.killpg(leader.pid, signal.SIGKILL) if _group_members(leader.pid) else None
+    assert reaped == {"this boot": (1, False), "an earlier boot": (0, True)}
+
+
 def test_reap_finds_servers_their_dead_harness_never_recorded(tmp_path):
     """A harness killed between starting a server and writing its pid file, or a pid file a later start
     cleared: the server is found by the marks in its environment, and killed only if its harness is gone."""
     dead = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    dead_identity = harness_identity(dead.pid)
+    dead_identity = process_identity(dead.pid)
     dead.kill()
     dead.wait()
     home = tmp_path / "old-run" / "servers" / "c1"

@@ -24,6 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 VERSION = "0.32.0"
 
 
+pytestmark = pytest.mark.serial  # serial: speedup intervals and the idle-work check's CPU counts
+
+
 @pytest.fixture(scope="module")
 def fake_checkout(tmp_path_factory) -> Path:
     """A git checkout of a pure-Python stand-in for vLLM, tagged as the task's version."""
@@ -103,6 +106,7 @@ def decisions(setup):
     return {r.event.candidate: r.event for r in read_trace(setup.run_dir / "trace.jsonl") if r.event.kind == "decision"}
 
 
+@pytest.mark.slow
 def test_each_candidate_is_judged_at_the_right_stage(run):
     setup, loop = run({
         "1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster, same tokens"),
@@ -166,6 +170,7 @@ def test_a_candidate_exact_alone_and_wrong_in_batches_is_rejected_at_the_audit(r
     assert token_audit.verdict.test == "hard_bound" and token_audit.control.non_top1 == 0
 
 
+@pytest.mark.slow
 def test_near_tie_flips_where_honest_numerics_flip_none_are_rejected_by_rate(run):
     """The baseline here is exact under load (its A/A and every control: no token off the top-1); a faster
     candidate that flips near-ties under load (deficits under 0.1 nats, far inside the hard bound) leaves the
@@ -262,6 +267,7 @@ def test_a_candidate_right_only_where_parity_watches_is_rejected_at_the_audit(ru
     assert finished.kept == 0 and audit(setup.run_dir).commits == 0
 
 
+@pytest.mark.slow
 def test_dedicated_parity_servers_start_beside_the_production_ones(run):
     setup, loop = run(
                       {"1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster")},
@@ -369,6 +375,7 @@ def test_a_reference_that_stops_answering_ends_the_run_without_blaming_the_candi
     assert loop.pool.running == [] and stopped_once(loop)
 
 
+@pytest.mark.slow
 def test_a_win_must_repeat_in_an_independent_confirmation(run):
     # Candidate 1 is fast for its parity check and first benchmark (4 + 2 warmup + 5 x 8 requests), then
     # slower than the incumbent; candidate 2 is fast throughout.
@@ -402,6 +409,7 @@ def two_fast(first: str) -> dict:
             "2-fast.patch": new_file_patch("vllm/fake_mode_2.json", mode("exact", 0.0025), "faster too")}
 
 
+@pytest.mark.slow
 def test_an_incumbent_that_freezes_mid_benchmark_is_replaced_and_the_candidate_measured_again(run, monkeypatch):
     """Seen on the H200: the incumbent's production server stopped sending tokens in the middle of a pass, with
     256 requests in flight. Its stream goes silent past benchmark.stall_timeout_s; the candidate is not blamed:
@@ -429,6 +437,7 @@ def test_an_incumbent_that_freezes_mid_benchmark_is_replaced_and_the_candidate_m
     assert loop.pool.running == [] and stopped_once(loop)
 
 
+@pytest.mark.slow
 def test_a_candidate_that_freezes_mid_benchmark_crashes_there_and_the_run_goes_on(run, monkeypatch):
     monkeypatch.setenv("FAKE_FREEZE", "candidate-1:10")  # 4 parity + 2 warm-up + 4 of its first pass
     setup, loop = run(two_fast("fast, then wedged"), benchmark=WEDGE_BENCHMARK)
@@ -445,6 +454,7 @@ def test_a_candidate_that_freezes_mid_benchmark_crashes_there_and_the_run_goes_o
     assert loop.pool.running == [] and stopped_once(loop)
 
 
+@pytest.mark.slow
 def test_an_incumbent_that_fails_again_beside_the_same_candidate_crashes_the_candidate(run, monkeypatch):
     """A candidate that could wedge its neighbour must not earn endless re-measurements: the second failure of
     the incumbent beside it ends it as a crash, and the run goes on with a replaced incumbent."""
@@ -461,6 +471,7 @@ def test_an_incumbent_that_fails_again_beside_the_same_candidate_crashes_the_can
 
 
 @pytest.mark.parametrize("variant", ["spinning", "sly", "unchecked"])
+@pytest.mark.slow
 def test_a_candidate_that_works_while_the_incumbent_is_measured(run, monkeypatch, variant):
     """The adversary: as fast as the incumbent on its own, but its server spins on every core whenever it has no
     request, so the incumbent's passes run slower and the candidate looks faster. Before each pass the harness

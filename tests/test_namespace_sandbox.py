@@ -27,7 +27,7 @@ from sandbox.namespace import IO_ROOT, NamespaceSandbox, NamespaceUnavailable, p
 from tests.hostile.plant import hostile_spec, observed
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.serial, pytest.mark.slow, pytest.mark.timeout(900)]  # root: namespaces, cgroups
 
 
 def hostile(tmp_path: Path, act: str, name: str | None = None, **fields) -> ServerSpec:
@@ -516,7 +516,7 @@ def test_the_contract_holds_for_an_unprivileged_harness():
 def run_as_nobody(home: Path) -> None:
     become = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "env", f"HOME={home}",
               f"NIGHTSHIFT_NAMESPACE_IO={home / 'ns'}", f"NIGHTSHIFT_CACHE={home / 'cache'}",
-              "NIGHTSHIFT_UNPRIVILEGED_RUN=1"]  # nothing of root's private folders (pytest's, the session cache)
+              "NIGHTSHIFT_UNPRIVILEGED_RUN=1"]  # nothing of root's private folders (pytest's, the suite's checkpoint cache)
     reach = subprocess.run([*become, sys.executable, "-c", "import pytest, sandbox.namespace"], cwd=ROOT,
                            capture_output=True, text=True)
     if reach.returncode != 0:

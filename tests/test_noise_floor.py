@@ -13,10 +13,14 @@ from traces import TraceError, read_trace
 BENCH = {"warmup_requests": 2, "repetitions": 4, "request_timeout_s": 10, "max_client_busy": 1.0, "noise_floor": True}
 
 
+pytestmark = pytest.mark.serial  # serial: A/A benchmarks measure the host's noise
+
+
 def events(setup):
     return [r.event for r in read_trace(setup.run_dir / "trace.jsonl")]
 
 
+@pytest.mark.slow
 def test_the_a_a_runs_before_the_first_candidate_and_warns_when_it_cannot_see_min_speedup(run):
     # passes of 64 steps (~0.7 s): at the default 16 (~0.17 s) one stall of a loaded 2-core host moved this A/A to 1.31
     setup, loop = run({"1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster")},
@@ -60,6 +64,7 @@ def test_with_dedicated_parity_servers_a_second_production_baseline_is_started_a
     assert loop.pool.running == [] and stopped_once(loop)
 
 
+@pytest.mark.slow
 def test_a_clear_win_stops_at_the_first_look_and_replay_re_derives_the_looks(run):
     setup, loop = run({"1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster")},
                       benchmark={**BENCH, "noise_floor": False, "repetitions": 4, "max_repetitions": 12,

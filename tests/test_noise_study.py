@@ -13,6 +13,9 @@ from tests.test_loop_judgement import VERSION, fake_checkout, fake_model, fake_t
 from traces import read_trace
 
 
+pytestmark = pytest.mark.serial  # serial: repeated A/As and a known slowdown measure the host's noise
+
+
 @pytest.fixture
 def setup(tmp_path, fake_checkout, fake_model):
     task = fake_task(fake_checkout, fake_model, tmp_path, benchmark={"warmup_requests": 2, "repetitions": 4,
@@ -21,6 +24,7 @@ def setup(tmp_path, fake_checkout, fake_model):
     return prepare_run(task, tmp_path / "runs", run_id="noise-test", vllm_version=VERSION)
 
 
+@pytest.mark.slow
 def test_a_a_benchmarks_and_a_known_slowdown_on_servers_started_once(setup, tmp_path):
     slow = tmp_path / "slow-4x.patch"
     slow.write_text(new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.04), "four times the time per token"))

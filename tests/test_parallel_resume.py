@@ -31,6 +31,9 @@ NO_CHILD_KILLING = {"RAY_kill_child_processes_on_worker_exit": "0", "RAY_process
 (as where the raylet itself was killed) and the resumed run must kill them."""
 
 
+pytestmark = [pytest.mark.serial, pytest.mark.slow]  # serial: keeps by speed must repeat the uninterrupted run's
+
+
 @pytest.fixture(scope="module")
 def cluster():
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))

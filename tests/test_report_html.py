@@ -10,11 +10,12 @@ from pathlib import Path
 import git
 import pytest
 
-from agent.html_report import funnel_counts, write_report
+from agent.html_report import Figures, funnel_counts, speedups, write_report
 from agent.loop import Loop
 from agent.proposers.queue import QueueProposer
 from agent.report import write_summary
 from agent.setup import prepare_run
+from agent.task import Acceptance
 from agent.verify import VerifyError, run_target, verify
 from agent.verify_view import NoProgress
 from tests.fake_sandbox import FakeSandbox
@@ -26,6 +27,9 @@ CHROMIUM, DRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 # 32 output tokens and 5 repetitions: at 8 and 3 (passes of 20-80 ms, an interval on 2 degrees of freedom) one
 # stall of a loaded CI host put the 4x-faster candidate's lower bound at 0.85
 GRID = dict(input_lens=[8, 16, 120], output_lens=[32], concurrency=[1, 4])
+
+
+pytestmark = [pytest.mark.serial, pytest.mark.slow]  # serial: verify's speedup bounds (a 4x faster head) and headless Chromium
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +76,16 @@ def test_the_funnel_counts_each_stage_from_the_trace(recorded_run):
     counts = dict(funnel_counts(read_trace(recorded_run.run_dir / "trace.jsonl")))
     assert counts == {"proposed": 3, "applied": 3, "built": 3, "parity passed": 2, "benchmarked": 2,
                       "audit passed": 1, "kept": 1}
+
+
+def test_the_threshold_line_falls_back_to_the_tasks_own_default(recorded_run):
+    """A trace whose task omits acceptance.min_speedup was judged against the task's default (1.02), and the
+    report draws that line, not one of its own."""
+    records = read_trace(recorded_run.run_dir / "trace.jsonl")
+    assert f"min {records[0].event.task['acceptance']['min_speedup']}x" in speedups(records, Figures())
+    records[0].event.task.pop("acceptance")
+    page = speedups(records, Figures())
+    assert f"min {Acceptance().min_speedup}x" in page and Acceptance().min_speedup == 1.02 and "min 1.0x" not in page
 
 
 def test_verify_measures_every_runnable_cell_and_keeps_the_skipped_one(verified):

@@ -10,6 +10,9 @@ from agent.requests import RequestError, complete_all, completion_body
 from sandbox.base import Endpoint
 
 
+pytestmark = pytest.mark.serial  # serial: the load client's busy share
+
+
 class CountingServer:
     """Minimal HTTP/1.1 server: answers each completion with one SSE token after a short wait,
     and records the largest number of requests in flight."""

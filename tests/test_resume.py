@@ -41,6 +41,9 @@ PATCHES = {  # the baseline takes 20 ms a token: passes long enough to measure o
 }
 
 
+pytestmark = pytest.mark.serial  # serial: keeps by speed must repeat the uninterrupted run's
+
+
 def harness(*args: str, crash: str = "", timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     env = {**{k: v for k, v in os.environ.items() if k != CRASH_ENV}, **(env or {})}
     env["PYTHONPATH"] = str(ROOT)
@@ -169,6 +172,7 @@ SPENT = {"tear:commit:3", "after:decision:3", "after:commit:3"}
 
 
 @pytest.mark.parametrize("crash", CRASHES)
+@pytest.mark.slow
 def test_a_run_killed_at_a_stage_boundary_resumes_to_the_same_branch(crash, task_file, uninterrupted, tmp_path):
     run_dir = start(task_file, tmp_path / "runs", "killed", crash=crash)
     when, kind, candidate = crash.split(":")
@@ -203,6 +207,7 @@ def test_a_run_killed_at_a_stage_boundary_resumes_to_the_same_branch(crash, task
     assert summary["resumed"][0]["after_seq"] == mark.after_seq
 
 
+@pytest.mark.slow
 def test_a_run_killed_while_resuming_resumes_again(task_file, uninterrupted, tmp_path):
     run_dir = start(task_file, tmp_path / "runs", "twice", crash="after:decision:1")
     assert harness("resume", str(run_dir), crash="after:resumed:*").returncode == -signal.SIGKILL
@@ -212,6 +217,7 @@ def test_a_run_killed_while_resuming_resumes_again(task_file, uninterrupted, tmp
     assert [e.pending_keep for e in events if e.kind == "resumed"] == ["commit", "commit", ""]
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_finished_tampered_moved_or_running_run(task_file, uninterrupted, tmp_path):
     for detach in ([], ["--detach"]):
         done = cli("run", "--resume", str(uninterrupted[0]), *detach)
@@ -273,6 +279,7 @@ def test_a_resume_refused_at_its_start_leaves_the_run_resumable(task_file, unint
     assert not events[-1].resumable
 
 
+@pytest.mark.slow
 def test_resume_detached_returns_at_once_and_the_run_finishes_in_the_background(task_file, uninterrupted, tmp_path):
     run_dir = start(task_file, tmp_path / "runs", "detached", crash="after:commit:3")  # nothing left but the end
     log = run_dir.parent / f"{run_dir.name}.log"
@@ -290,6 +297,7 @@ def test_resume_detached_returns_at_once_and_the_run_finishes_in_the_background(
     lock_run(run_dir).close()  # the background harness has let go of the run
 
 
+@pytest.mark.slow
 def test_a_candidate_over_its_time_limit_is_a_timeout_and_the_run_goes_on(tmp_path, fake_checkout, fake_model):
     folder = tmp_path / "patches"
     folder.mkdir()
@@ -325,6 +333,7 @@ VLLM_SETTINGS = ["--set", "budget.max_candidates=1", "--set", "proposer.seed=0",
 
 @pytest.mark.vllm
 @pytest.mark.timeout(3000)
+@pytest.mark.slow
 def test_real_vllm_killed_during_a_benchmark_resumes(tmp_path, vllm_checkout):
     runs = tmp_path / "runs"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

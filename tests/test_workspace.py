@@ -7,6 +7,7 @@ import multiprocessing
 from pathlib import Path
 
 import git
+import pytest
 
 from agent.workspace import Workspace
 
@@ -22,6 +23,7 @@ def churn(checkout: str, worker: int, rounds: int) -> int:
     return rounds
 
 
+@pytest.mark.slow
 def test_worktrees_made_and_removed_by_four_processes_at_once(tmp_path):
     checkout = tmp_path / "checkout"
     checkout.mkdir()
