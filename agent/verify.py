@@ -82,18 +82,19 @@ def _check_moved(repo: git.Repo, base: str, head: str, head_ref: str) -> None:
 
 def run_target(run_dir: Path, base: str | None = None, head: str | None = None) -> Target:
     """A run's baseline (its base commit) and its branch's head, from the run's checkout or packed bundle."""
-    records = read_trace(Path(run_dir) / "trace.jsonl")
+    run_dir = Path(run_dir).resolve()  # the worktrees go under it, and git runs in the checkout
+    records = read_trace(run_dir / "trace.jsonl")
     started = records[0].event
     task = parse_task(started.task, f"{run_dir}/trace.jsonl (run_started.task)")
     try:
-        repo = _open_repo(Path(run_dir), started)
+        repo = _open_repo(run_dir, started)
         repo.git.rev_parse("--git-dir")
     except (git.GitError, git.NoSuchPathError) as exc:
         raise BranchUnreadable(f"cannot read branch {started.branch} in {started.checkout}: {exc}") from None
     base_ref, head_ref = base or started.base_commit, head or started.branch
     base_sha, head_sha = _commit(repo, base_ref, "base"), _commit(repo, head_ref, "head")
     _check_moved(repo, base_sha, head_sha, f"branch {head_ref}")
-    return Target(task, repo, base_sha, head_sha, base_ref, head_ref, Path(run_dir), started.run_id,
+    return Target(task, repo, base_sha, head_sha, base_ref, head_ref, run_dir, started.run_id,
                   started.model_sha256)
 
 

@@ -206,3 +206,23 @@ def test_bad_input_is_one_error_line_and_exit_code_2(recorded_run, tmp_path, arg
     assert out.stderr.startswith("error: ") and message in out.stderr and "Traceback" not in out.stderr
     assert not (recorded_run.run_dir / "verify" / "worktrees").exists() or \
         not list((recorded_run.run_dir / "verify" / "worktrees").iterdir())
+
+
+def test_verify_of_a_run_id_from_a_relative_runs_folder(recorded_run, tmp_path, monkeypatch):
+    """`nightshift verify <run-id>` in the folder above runs/: the run folder resolves relative to where verify
+    runs, and its worktrees are made there, not inside the vLLM checkout (git runs in the checkout)."""
+    from agent.audit import resolve_run
+
+    runs = tmp_path / "runs"
+    shutil.copytree(recorded_run.run_dir, runs / recorded_run.run_id,
+                    ignore=shutil.ignore_patterns("worktrees", "servers", "verify"))
+    checkout = Path(recorded_run.repo.working_dir)
+    before = sorted(p.name for p in checkout.iterdir())
+    monkeypatch.chdir(tmp_path)
+    target = run_target(resolve_run(recorded_run.run_id, Path("runs")))
+    assert target.run_dir == runs / recorded_run.run_id and target.run_dir.is_absolute()
+    data = verify(target, input_lens=[8], output_lens=[32], concurrency=[1], repetitions=3, progress=NoProgress(),
+                  sandbox=FakeSandbox(tmp_path / "servers"), link=False)
+    assert data["failed"] == [] and (runs / recorded_run.run_id / "verify" / "verify.json").is_file()
+    assert sorted(p.name for p in checkout.iterdir()) == before  # no stray runs/ folder inside the checkout
+    assert (runs / recorded_run.run_id / "verify" / "worktrees").is_dir()
