@@ -116,6 +116,8 @@ def run(
     setup = prepare_run(task, runs_dir, run_id=run_id)
     console.print(f"run [bold]{setup.run_id}[/bold] -> {setup.run_dir}  branch {setup.workspace.branch}",
                   soft_wrap=True)
+    for warning in setup.warnings:
+        console.print(f"[yellow]warning:[/yellow] {escape(warning)}", soft_wrap=True, highlight=False)
     run_loop(setup, chosen, quiet)
 
 

@@ -10,7 +10,7 @@ import platform
 import secrets
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import git
@@ -19,6 +19,7 @@ import agent
 from agent.build import build
 from agent.checkout import create_checkout, default_checkout_path, installed_vllm, open_checkout, version_tag
 from agent.checkpoint import CheckpointInfo, cache_root, prepare_model
+from agent.preflight import check_patches
 from agent.task import Task
 from agent.workspace import Workspace
 from traces import TraceWriter
@@ -85,6 +86,8 @@ class RunSetup:
     """Compile caches kept across runs; only servers of the unmodified vLLM export to it."""
     lock: object = None
     """The run folder's lock (`lock_run`), held as long as this setup lives."""
+    warnings: list[str] = field(default_factory=list)
+    """What the checks before the run found but did not refuse (a queued patch that does not apply to the base)."""
 
     def run_started(self) -> RunStarted:
         return RunStarted(run_id=self.run_id, nightshift_version=agent.__version__, vllm_version=self.vllm_version,
@@ -113,6 +116,7 @@ def prepare_run(task: Task, runs_dir: Path, run_id: str | None = None, vllm_vers
     linked = vllm_version is None
     version = installed_vllm()[1] if linked else vllm_version
     repo = prepare_checkout(task, version)
+    warnings = check_patches(task, repo)
     model = prepare_model(task)
     vocab_size = int(json.loads((model.path / "config.json").read_text())["vocab_size"])
     run_dir.mkdir(parents=True)
@@ -124,4 +128,5 @@ def prepare_run(task: Task, runs_dir: Path, run_id: str | None = None, vllm_vers
     seed = cache_root() / "compile-caches" / f"vllm-{version}"
     return RunSetup(task=task, run_id=run_id, run_dir=run_dir, repo=repo, model=model, vocab_size=vocab_size,
                     trace=trace, workspace=workspace, base_commit=base_commit, vllm_version=version,
-                    torch_version=_version("torch"), linked=linked, cache_seed=seed, lock=lock)
+                    torch_version=_version("torch"), linked=linked, cache_seed=seed, lock=lock,
+                    warnings=warnings)
