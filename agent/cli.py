@@ -66,6 +66,7 @@ def run(
     """Run an optimization task; ends with a branch nightshift/<run-id> and runs/<run-id>/."""
     from agent.preflight import check_run
     from agent.proposers import make_proposer
+    from agent.relaxed import describe as describe_relaxed
     from agent.setup import new_run_id, prepare_run
 
     if resume:
@@ -82,7 +83,8 @@ def run(
         return
     if workers is not None and workers < 1:
         fail(f"--workers {workers}: a run needs at least one worker (1 is the single-process loop)")
-    task = with_settings(load_task(task_file), settings + ([f"sandbox.workers={workers}"] if workers else []))
+    task_as_written = load_task(task_file)
+    task = with_settings(task_as_written, settings + ([f"sandbox.workers={workers}"] if workers else []))
     if proposer == "queue" or patches:
         if not patches:
             fail("--proposer queue needs --patches DIR")
@@ -113,9 +115,12 @@ def run(
 
         preflight(task)
     check_run(task)
-    setup = prepare_run(task, runs_dir, run_id=run_id)
+    setup = prepare_run(task, runs_dir, run_id=run_id, task_file=task_as_written)
     console.print(f"run [bold]{setup.run_id}[/bold] -> {setup.run_dir}  branch {setup.workspace.branch}",
                   soft_wrap=True)
+    if setup.relaxed:
+        console.print(f"[yellow]relaxed:[/yellow] {escape('; '.join(map(describe_relaxed, setup.relaxed)))}",
+                      soft_wrap=True, highlight=False)
     for warning in setup.warnings:
         console.print(f"[yellow]warning:[/yellow] {escape(warning)}", soft_wrap=True, highlight=False)
     run_loop(setup, chosen, quiet)

@@ -12,6 +12,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from agent.proposers.funnel import got_through
+from agent.relaxed import describe as describe_relaxed, of_run
 from traces import read_trace
 from traces.schema import BenchReport, Commit, Decision, Record, RunFinished, RunStarted, TokenAudit
 
@@ -76,6 +77,9 @@ def glance(records: list[Record], verify: dict | None) -> str:
                                + (f", ${finished.spend_usd:.4f}" if finished and finished.spend_usd else ""))),
             ("finished", _e(f"{finished.reason}; kept {finished.kept}, cumulative {finished.best_speedup:.3f}x")
              if finished else "<span class=bad>no run_finished record</span>")]
+    loosened = of_run(started)
+    if loosened:
+        rows.append(("relaxed checks", "<span class=bad>" + _e("; ".join(map(describe_relaxed, loosened))) + "</span>"))
     for sp in _events(records, "self_parity")[:1]:
         verdict = "identical" if sp.ok else "<span class=bad>DIFFERENT</span>"
         margins = ", ".join(f"{k} {v:g}" for k, v in (sp.margins or {}).items()) or (sp.margins_error or "not measured")
@@ -256,6 +260,8 @@ def verify_section(verify: dict | None, figs: Figures) -> str:
             ("grid", _e(f"{verify['grid']['repetitions']} paired passes per cell, max_model_len "
                         f"{verify['grid']['max_model_len']}, parity {verify['parity_regime']}, audit tolerance "
                         f"{verify['audit_tolerance_nats']:g} nats")),
+            *([("relaxed checks", "<span class=bad>" + _e("; ".join(map(describe_relaxed, verify["relaxed"])))
+                + "</span>")] if verify.get("relaxed") else []),
             ("regressions", f"<span class={'bad' if verify['regressions'] else 'good'}>"
                             f"{_e(', '.join(verify['regressions']) or 'none')}</span>"),
             ("failed", _e(", ".join(verify["failed"]) or "none")),

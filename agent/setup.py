@@ -20,6 +20,7 @@ from agent.build import build
 from agent.checkout import create_checkout, default_checkout_path, installed_vllm, open_checkout, version_tag
 from agent.checkpoint import CheckpointInfo, cache_root, prepare_model
 from agent.preflight import check_patches
+from agent.relaxed import relaxed
 from agent.task import Task
 from agent.workspace import Workspace
 from traces import TraceWriter
@@ -86,6 +87,8 @@ class RunSetup:
     """Compile caches kept across runs; only servers of the unmodified vLLM export to it."""
     lock: object = None
     """The run folder's lock (`lock_run`), held as long as this setup lives."""
+    relaxed: list[dict] = field(default_factory=list)
+    """The checks this task loosens against its defaults and its task file (agent/relaxed.py)."""
     warnings: list[str] = field(default_factory=list)
     """What the checks before the run found but did not refuse (a queued patch that does not apply to the base)."""
 
@@ -95,7 +98,7 @@ class RunSetup:
                           platform=platform.platform(), checkout=str(self.repo.working_dir),
                           base_commit=self.base_commit, branch=self.workspace.branch, model_sha256=self.model.sha256,
                           model_margins=self.model.margins.model_dump() if self.model.margins else None,
-                          task=self.task.model_dump(mode="json"))
+                          task=self.task.model_dump(mode="json"), relaxed=self.relaxed)
 
     def baseline_tree(self) -> Path:
         tree = self.workspace.worktree("baseline")
@@ -106,9 +109,11 @@ class RunSetup:
         return self.repo.git.diff(self.base_commit, self.workspace.head())[:limit]
 
 
-def prepare_run(task: Task, runs_dir: Path, run_id: str | None = None, vllm_version: str | None = None) -> RunSetup:
+def prepare_run(task: Task, runs_dir: Path, run_id: str | None = None, vllm_version: str | None = None,
+                task_file: Task | None = None) -> RunSetup:
     """Check the checkout and the model, then create the run folder, its trace and the run branch.
-    `vllm_version` stands in for the installed vLLM (a test's pure-Python stand-in): nothing is linked."""
+    `vllm_version` stands in for the installed vLLM (a test's pure-Python stand-in): nothing is linked.
+    `task_file`: the task before `--set`, against which (and its defaults) loosened checks are named."""
     run_id = run_id or new_run_id()
     run_dir = Path(runs_dir).resolve() / run_id
     if run_dir.exists():
@@ -129,4 +134,4 @@ def prepare_run(task: Task, runs_dir: Path, run_id: str | None = None, vllm_vers
     return RunSetup(task=task, run_id=run_id, run_dir=run_dir, repo=repo, model=model, vocab_size=vocab_size,
                     trace=trace, workspace=workspace, base_commit=base_commit, vllm_version=version,
                     torch_version=_version("torch"), linked=linked, cache_seed=seed, lock=lock,
-                    warnings=warnings)
+                    relaxed=relaxed(task, task_file), warnings=warnings)

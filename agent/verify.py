@@ -27,7 +27,8 @@ from agent.paths import cache_root
 from agent.pool import ServerPool, ServerRequest
 from agent.requests import ANSWER_ERRORS, draw_prompts
 from agent.stats import estimate_speedup
-from agent.task import Task, Workload, Benchmark, parse_task, with_overrides
+from agent.relaxed import describe as describe_relaxed, relaxed
+from agent.task import Task, Workload, Benchmark, parse_task, with_overrides, with_settings
 from agent.token_audit import audit_passed, describe, run_audit
 from agent.workspace import Workspace, serve_args_at
 from sandbox import make_sandbox
@@ -62,6 +63,13 @@ class Target:
     """The run's model, which the checkpoint prepared now must match."""
     settings: list[str] = field(default_factory=list)
     """`--set` overrides applied to the task for this verify."""
+    relaxed: list[dict] = field(default_factory=list)
+    """The checks those overrides loosen (agent/relaxed.py), against the task's defaults and the task before."""
+
+    def set(self, settings: list[str]) -> None:
+        """Apply `--set` overrides to the task, and note the checks they loosen."""
+        before, self.task = self.task, with_settings(self.task, list(settings))
+        self.settings, self.relaxed = list(settings), relaxed(self.task, before)
 
     @property
     def out_dir(self) -> Path:
@@ -307,7 +315,7 @@ def verify(target: Target, input_lens: list[int], output_lens: list[int], concur
     results = (_measure(target, plan, model.path, base_args, head_args, vocab, repetitions, progress, sandbox, link)
                if plan.runnable else [skipped(c) for c in plan.cells])
     data = {"format": FORMAT, "run_id": target.run_id, "task": task.name,
-            "settings": target.settings,
+            "settings": target.settings, "relaxed": target.relaxed,
             "base": {"ref": target.base_ref, "commit": target.base, "engine_args": base_args},
             "head": {"ref": target.head_ref, "commit": target.head, "engine_args": head_args},
             "environment": environment(task, model.sha256, plan.max_model_len or None),
@@ -382,7 +390,8 @@ def markdown(data: dict) -> str:
              f"{data['confidence']:.0%} interval, {grid['repetitions']} paired passes per cell.", "",
              f"{hardware}; vLLM {env['vllm']}, torch {env['torch']}, {env['dtype']}, max_model_len "
              f"{env['max_model_len']}, nightshift {env['nightshift']}, model {env['model_sha256'][:12]}"
-             + (f"; task overrides: {', '.join(data['settings'])}" if data.get("settings") else ""), "",
+             + (f"; task overrides: {', '.join(data['settings'])}" if data.get("settings") else "")
+             + (f"; relaxed: {'; '.join(map(describe_relaxed, data['relaxed']))}" if data.get("relaxed") else ""), "",
              "| input | output | " + " | ".join(f"c={c}" for c in grid["concurrency"]) + " |",
              "|---|---|" + "---|" * len(grid["concurrency"])]
     by_key = {(c["input_len"], c["output_len"], c["concurrency"]): c for c in data["cells"]}

@@ -15,6 +15,7 @@ from agent.loop import Loop
 from agent.proposers.queue import QueueProposer
 from agent.report import write_summary
 from agent.setup import prepare_run
+from agent.task import with_settings
 from agent.verify import VerifyError, run_target, verify
 from agent.verify_view import NoProgress
 from tests.fake_sandbox import FakeSandbox
@@ -51,7 +52,9 @@ def recorded_run(tmp_path_factory, fake_checkout, fake_model):
     }.items():
         (patches / name).write_text(text)
     task = fake_task(fake_checkout, fake_model, patches)
-    setup = prepare_run(task, root / "runs", vllm_version=VERSION)
+    # a --set that loosens a check (the idle-work check off), which the report, review and the commit must name
+    setup = prepare_run(with_settings(task, ["benchmark.max_idle_cpu=null"]), root / "runs", vllm_version=VERSION,
+                        task_file=task)
     finished = Loop(setup, QueueProposer(patches), sandbox=FakeSandbox(root / "servers")).run()
     write_summary(setup.run_dir)
     assert finished.kept == 1
@@ -175,6 +178,20 @@ def test_the_report_renders_offline_in_a_real_browser(verified, tmp_path):
     assert image.size[1] > 2000 and ImageStat.Stat(image).stddev[0] > 20
 
 
+RELAXED = ["benchmark.max_idle_cpu=null (default 0.25)", "benchmark.max_client_busy=1 (default 0.75)"]
+
+
+def test_a_loosened_check_is_named_in_the_trace_the_commit_and_the_report(recorded_run):
+    started = read_trace(recorded_run.run_dir / "trace.jsonl")[0].event
+    assert started.relaxed == [{"setting": "benchmark.max_idle_cpu", "value": None, "default": 0.25},
+                               {"setting": "benchmark.max_client_busy", "value": 1.0, "default": 0.75}]
+    message = recorded_run.repo.git.log("-1", "--format=%B", started.branch)
+    assert [l for l in message.splitlines() if l.startswith("Nightshift-Relaxed:")] == \
+        [f"Nightshift-Relaxed: {text}" for text in sorted(RELAXED, reverse=True)]
+    page = write_report(recorded_run.run_dir).read_text()
+    assert "relaxed checks" in page and "; ".join(sorted(RELAXED, reverse=True)) in page
+
+
 def test_review_prints_where_the_report_is(recorded_run):
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-m", "agent.cli", "review", str(recorded_run.run_dir)], capture_output=True,
@@ -182,6 +199,7 @@ def test_review_prints_where_the_report_is(recorded_run):
     assert out.returncode == 0, out.stderr
     line = [l for l in out.stdout.splitlines() if l.startswith("report: ")]
     assert line == [f"report: {recorded_run.run_dir / 'report.html'}"]
+    assert "relaxed checks" in out.stdout and "benchmark.max_idle_cpu" in out.stdout and "0.25" in out.stdout
     assert (recorded_run.run_dir / "report.html").stat().st_size > 1_000_000  # plotly.js itself is inlined
 
 
@@ -221,8 +239,11 @@ def test_verify_of_a_run_id_from_a_relative_runs_folder(recorded_run, tmp_path, 
     monkeypatch.chdir(tmp_path)
     target = run_target(resolve_run(recorded_run.run_id, Path("runs")))
     assert target.run_dir == runs / recorded_run.run_id and target.run_dir.is_absolute()
+    target.set(["audit.sample=4"])  # verify's --set: a loosened check is named in verify.json and verify.md
     data = verify(target, input_lens=[8], output_lens=[32], concurrency=[1], repetitions=3, progress=NoProgress(),
                   sandbox=FakeSandbox(tmp_path / "servers"), link=False)
     assert data["failed"] == [] and (runs / recorded_run.run_id / "verify" / "verify.json").is_file()
     assert sorted(p.name for p in checkout.iterdir()) == before  # no stray runs/ folder inside the checkout
     assert (runs / recorded_run.run_id / "verify" / "worktrees").is_dir()
+    assert data["relaxed"] == [{"setting": "audit.sample", "value": 4, "default": None}]
+    assert "relaxed: audit.sample=4 (default null)" in (runs / recorded_run.run_id / "verify" / "verify.md").read_text()

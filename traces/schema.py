@@ -38,6 +38,8 @@ class RunStarted(Event):
     model_sha256: str
     model_margins: dict[str, float] | None = None
     task: dict[str, Any]
+    relaxed: list[dict[str, Any]] | None = None
+    """The checks the task loosens (agent/relaxed.py): each setting, its value, its default and the task file's."""
 
 
 class SelfParity(Event):
