@@ -85,7 +85,7 @@ def review_tables(run_dir: Path) -> list[Table]:
     audits = _audits(records)
     for column in ("commit", "candidate", "what changed", "speedup [interval]", "parity evidence", "token audit",
                    "samples"):
-        kept.add_column(column)
+        kept.add_column(column, overflow="fold")  # a narrow terminal wraps a long word rather than cut it
     for record in records:
         if not isinstance(record.event, Commit):
             continue

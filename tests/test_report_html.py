@@ -247,3 +247,16 @@ def test_verify_of_a_run_id_from_a_relative_runs_folder(recorded_run, tmp_path, 
     assert (runs / recorded_run.run_id / "verify" / "worktrees").is_dir()
     assert data["relaxed"] == [{"setting": "audit.sample", "value": 4, "default": None}]
     assert "relaxed: audit.sample=4 (default null)" in (runs / recorded_run.run_id / "verify" / "verify.md").read_text()
+
+
+def test_review_at_80_columns_wraps_what_changed_instead_of_cutting_it(recorded_run):
+    out = subprocess.run([sys.executable, "-m", "agent.cli", "review", str(recorded_run.run_dir)], capture_output=True,
+                         text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "COLUMNS": "80"},
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    kept = out.stdout.split("branch nightshift/")[1].split("not kept")[0].splitlines()
+    assert all(len(line) <= 80 for line in kept) and "…" not in "\n".join(kept), out.stdout
+    header = [line.split("┃") for line in kept if line.startswith("┃")]
+    column = next(i for line in header for i, cell in enumerate(line) if cell.strip() == "what")
+    changed = "".join(line.split("│")[column].strip() for line in kept if line.startswith("│"))
+    assert changed == "faster,sametokensvllm/fake_mode_1.json", kept
