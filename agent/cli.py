@@ -175,6 +175,8 @@ def run_loop(setup, proposer, quiet: bool, sandbox=None, resume=None, worker_san
         write_summary(setup.run_dir)
         errors.print(f"the run stopped on a bug (the trace up to here: {trace})")
         raise
+    finally:
+        setup.release_worktrees()
     summary = write_summary(setup.run_dir)
     console.print(summary)
     console.print(f"finished: {finished.reason}; kept {finished.kept} of {finished.candidates}; "
@@ -311,7 +313,10 @@ def noise(task_file: Path = typer.Argument(DEFAULT_TASK, help="task YAML"),
     check_run(task)
     setup = prepare_run(task, runs_dir, run_id=f"noise-{new_run_id()}")
     console.print(f"noise study [bold]{setup.run_id}[/bold] -> {setup.run_dir}", soft_wrap=True)
-    data = study(setup, aa, patch, repeat, on_line=console.print)
+    try:
+        data = study(setup, aa, patch, repeat, on_line=console.print)
+    finally:
+        setup.release_worktrees()
     console.print((setup.run_dir / "noise.md").read_text(), soft_wrap=True, markup=False)
     console.print(f"written: {setup.run_dir / 'noise.json'}")
     return data

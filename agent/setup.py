@@ -105,6 +105,11 @@ class RunSetup:
         build(0, tree, [], link=self.linked)
         return tree
 
+    def release_worktrees(self) -> int:
+        """Once the run has ended: its worktrees (the baseline's, the incumbent's) removed, and unregistered from
+        the checkout, which runs share; the branch keeps what was kept. Returns how many."""
+        return self.workspace.remove_under(self.run_dir)
+
     def branch_diff(self, limit: int = 50_000) -> str:
         return self.repo.git.diff(self.base_commit, self.workspace.head())[:limit]
 

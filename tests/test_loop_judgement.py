@@ -499,3 +499,28 @@ def test_a_candidate_that_works_while_the_incumbent_is_measured(run, monkeypatch
         with pytest.raises(TraceError, match="counted, though the candidate's server used"):
             check_decisions(records)
     assert loop.pool.running == [] and stopped_once(loop)
+
+
+def registered_under(repo_path: Path, root: Path) -> list[str]:
+    listing = git.Repo(repo_path).git.worktree("list", "--porcelain").splitlines()
+    return [l.split(" ", 1)[1] for l in listing if l.startswith("worktree ") and str(root) in l]
+
+
+def test_a_run_that_ends_leaves_no_worktree_registered_in_the_shared_checkout(run, monkeypatch):
+    from agent.cli import run_loop
+
+    setup, loop = run({"1-random.patch": new_file_patch("vllm/fake_mode_1.json", mode("random"), "different tokens"),
+                       "2-fast.patch": new_file_patch("vllm/fake_mode_2.json", mode("exact", 0.0025), "faster")})
+    seen = []
+    real_step = Loop.step
+
+    def step(self, n):  # while the run goes on, its trees are there (the baseline's, the incumbent's)
+        seen.append(len(registered_under(setup.repo.working_dir, setup.run_dir)))
+        return real_step(self, n)
+
+    monkeypatch.setattr(Loop, "step", step)
+    run_loop(setup, loop.proposer, quiet=True, sandbox=loop.pool.sandbox)
+    assert seen and min(seen) >= 1
+    assert registered_under(setup.repo.working_dir, setup.run_dir) == []
+    assert not list((setup.run_dir / "worktrees").glob("*"))
+    assert audit(setup.run_dir).finished  # the branch is untouched
