@@ -324,6 +324,7 @@ def verify(target: Target, input_lens: list[int], output_lens: list[int], concur
                      "max_model_len": plan.max_model_len, "kv_cache_bytes": plan.kv_cache_bytes,
                      "kv_bytes_per_token": plan.kv_bytes_per_token, "notes": plan.notes},
             "metric": "total_token_throughput", "confidence": task.acceptance.confidence,
+            "min_speedup": task.acceptance.min_speedup,
             "parity_regime": task.parity.regime, "audit_tolerance_nats": task.audit.tolerance_nats,
             "seconds": round(time.time() - started, 1), "cells": results}
     data["regressions"] = [c["key"] for c in results if c.get("regression")]

@@ -260,3 +260,70 @@ def test_review_at_80_columns_wraps_what_changed_instead_of_cutting_it(recorded_
     column = next(i for line in header for i, cell in enumerate(line) if cell.strip() == "what")
     changed = "".join(line.split("│")[column].strip() for line in kept if line.startswith("│"))
     assert changed == "faster,sametokensvllm/fake_mode_1.json", kept
+
+
+LAYOUT = """return [...document.querySelectorAll('.plotly-graph-div')].map(g => {
+  const box = e => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+  const all = sel => [...g.querySelectorAll(sel)].filter(e => e.getBoundingClientRect().width > 0).map(box);
+  return {div: box(g), svg: box(g.querySelector('svg.main-svg')), title: all('.gtitle'), modebar: all('.modebar'),
+          axis_titles: all('.g-xtitle text, .g-ytitle text'), name: (g.querySelector('.gtitle') || {}).textContent,
+          categories: g._fullLayout.xaxis && g._fullLayout.xaxis._categories}; })"""
+
+
+def overlap(a, b) -> bool:
+    return a[0] < b[2] - 0.5 and b[0] < a[2] - 0.5 and a[1] < b[3] - 0.5 and b[1] < a[3] - 0.5
+
+
+@pytest.mark.parametrize("width", [1400, 1920])
+def test_no_plot_overlaps_another_its_title_or_its_axis_titles(verified, width):
+    """Each plot stays inside its own box: none covers its neighbour (the per-pass plots sit side by side), no
+    title lies under the toolbar, no axis title is cut; the speedup chart lists candidates by number."""
+    import time as clock
+
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    target, _ = verified
+    report = write_report(target.run_dir)
+    driver = browser()
+    try:
+        driver.set_window_size(width, 1000)
+        driver.get(report.as_uri())
+        WebDriverWait(driver, 60).until(lambda d: d.execute_script(
+            "return [...document.querySelectorAll('.plotly-graph-div')].every(g => g.querySelector('svg.main-svg'))"))
+        clock.sleep(1)
+        plots = driver.execute_script(LAYOUT)
+    finally:
+        driver.quit()
+    side_by_side = 0
+    for i, p in enumerate(plots):
+        assert p["svg"][0] >= p["div"][0] - 0.5 and p["svg"][2] <= p["div"][2] + 0.5, (p["name"], p["svg"], p["div"])
+        for title in p["title"]:
+            assert not any(overlap(title, bar) for bar in p["modebar"]), (p["name"], title, p["modebar"])
+        for label in p["axis_titles"]:
+            assert p["div"][0] <= label[0] and label[2] <= p["div"][2] and p["div"][1] <= label[1] \
+                and label[3] <= p["div"][3], (p["name"], label, p["div"])
+        for q in plots[i + 1:]:
+            assert not overlap(p["svg"], q["svg"]), (p["name"], q["name"])
+            side_by_side += abs(p["div"][1] - q["div"][1]) < 1
+    assert side_by_side >= 1  # the per-pass plots share a row
+    speedup = next(p for p in plots if p["name"].startswith("speedup per benchmark"))
+    assert speedup["categories"] == sorted(speedup["categories"], key=lambda c: [int(x) for x in re.findall(r"\d+", c)])
+    assert len(speedup["categories"]) >= 3
+
+
+def test_the_verify_heat_map_is_coloured_by_what_the_interval_decides():
+    from agent.html_report import VERDICTS, grid_figure
+
+    def cell(i, c, low, mid, high, status="ok"):
+        return {"input_len": i, "output_len": 16, "concurrency": c, "status": status, "relative": mid,
+                "regression": high < 1.0, "speedup": {"total_token_throughput": {"speedup": mid, "ci_low": low,
+                                                                                  "ci_high": high}}}
+    # the issue's two cells, whose intervals hold 1, beside a regression, a small and a large win, a failed one
+    cells = [cell(64, 1, 0.815, 1.106, 1.500), cell(64, 4, 0.458, 0.939, 1.929), cell(64, 8, 0.80, 0.85, 0.90),
+             cell(128, 1, 1.01, 1.03, 1.04), cell(128, 4, 1.10, 1.20, 1.30), cell(128, 8, 1.10, 1.20, 1.30, "failed")]
+    verify = {"grid": {"input_lens": [64, 128], "output_lens": [16], "concurrency": [1, 4, 8]}, "cells": cells,
+              "confidence": 0.95, "min_speedup": 1.05}
+    heat = grid_figure(verify).data[0]
+    names = [[VERDICTS[int(z)][0] for z in row] for row in heat.z]
+    assert names == [["no difference", "no difference", "regression"],
+                     ["faster, under min_speedup", "faster than min_speedup", "failed"]]
