@@ -524,3 +524,23 @@ def test_a_run_that_ends_leaves_no_worktree_registered_in_the_shared_checkout(ru
     assert registered_under(setup.repo.working_dir, setup.run_dir) == []
     assert not list((setup.run_dir / "worktrees").glob("*"))
     assert audit(setup.run_dir).finished  # the branch is untouched
+
+
+def test_a_host_slow_to_start_the_baseline_does_not_blame_the_candidate(run):
+    """Every server waits 3 s to start (a loaded host) and the no-op candidate's 3 s more, past
+    engine.startup_timeout_s 5 s: its start may take 3x the baseline's slowest, and it is judged, not crashed."""
+    import json as _json
+
+    setup, loop = run({"1-noop.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", production_start_s=3,
+                                                                                 parity_start_s=3), "a no-op")},
+                      engine={"startup_timeout_s": 5, "env": {"FAKE_START_S": "3"}})
+    loop.run()
+    decision = decisions(setup)[1]
+    assert decision.stage != "start", decision.reason
+    starts = [_json.loads(l) for l in (setup.run_dir / "server_starts.jsonl").read_text().splitlines()]
+    baseline = [s for s in starts if s["trusted"]]
+    candidate = [s for s in starts if not s["trusted"] and s["server"].startswith("candidate")]
+    assert baseline and all(s["timeout_from"] == "engine.startup_timeout_s" for s in baseline)
+    assert candidate and all(s["outcome"] == "ok" and s["seconds"] > 5 and s["timeout_from"].startswith("3 x the "
+                                                                                                      "baseline's start")
+                             for s in candidate), candidate
