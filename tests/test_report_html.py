@@ -178,18 +178,21 @@ def test_the_report_renders_offline_in_a_real_browser(verified, tmp_path):
     assert image.size[1] > 2000 and ImageStat.Stat(image).stddev[0] > 20
 
 
-RELAXED = ["benchmark.max_idle_cpu=null (default 0.25)", "benchmark.max_client_busy=1 (default 0.75)"]
+# the --set, and what tests/test_loop_judgement.py's fake task loosens for speed
+RELAXED = ["benchmark.max_idle_cpu=null (default 0.25)", "benchmark.max_client_busy=1 (default 0.75)",
+           "benchmark.noise_floor=false (default true)"]
 
 
 def test_a_loosened_check_is_named_in_the_trace_the_commit_and_the_report(recorded_run):
     started = read_trace(recorded_run.run_dir / "trace.jsonl")[0].event
     assert started.relaxed == [{"setting": "benchmark.max_idle_cpu", "value": None, "default": 0.25},
-                               {"setting": "benchmark.max_client_busy", "value": 1.0, "default": 0.75}]
+                               {"setting": "benchmark.max_client_busy", "value": 1.0, "default": 0.75},
+                               {"setting": "benchmark.noise_floor", "value": False, "default": True}]
     message = recorded_run.repo.git.log("-1", "--format=%B", started.branch)
     assert [l for l in message.splitlines() if l.startswith("Nightshift-Relaxed:")] == \
-        [f"Nightshift-Relaxed: {text}" for text in sorted(RELAXED, reverse=True)]
+        [f"Nightshift-Relaxed: {text}" for text in RELAXED]
     page = write_report(recorded_run.run_dir).read_text()
-    assert "relaxed checks" in page and "; ".join(sorted(RELAXED, reverse=True)) in page
+    assert "relaxed checks" in page and "; ".join(RELAXED) in page
 
 
 def test_review_prints_where_the_report_is(recorded_run):
@@ -245,8 +248,8 @@ def test_verify_of_a_run_id_from_a_relative_runs_folder(recorded_run, tmp_path, 
     assert data["failed"] == [] and (runs / recorded_run.run_id / "verify" / "verify.json").is_file()
     assert sorted(p.name for p in checkout.iterdir()) == before  # no stray runs/ folder inside the checkout
     assert (runs / recorded_run.run_id / "verify" / "worktrees").is_dir()
-    assert data["relaxed"] == [{"setting": "audit.sample", "value": 4, "default": None}]
-    assert "relaxed: audit.sample=4 (default null)" in (runs / recorded_run.run_id / "verify" / "verify.md").read_text()
+    assert {"setting": "audit.sample", "value": 4, "default": None} in data["relaxed"]
+    assert "audit.sample=4 (default null)" in (runs / recorded_run.run_id / "verify" / "verify.md").read_text()
 
 
 def test_review_at_80_columns_wraps_what_changed_instead_of_cutting_it(recorded_run):
