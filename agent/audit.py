@@ -42,10 +42,11 @@ class AuditResult:
 
 
 def resolve_run(run: str, runs_dir: Path) -> Path:
+    """The run's folder, absolute: git runs in the checkout, where a relative folder means something else."""
     path = Path(run)
     for candidate in (path, Path(runs_dir) / run):
         if (candidate / "trace.jsonl").is_file():
-            return candidate
+            return candidate.resolve()
     raise RunNotFound(f"no run at {run} (looked for trace.jsonl there and in {runs_dir})")
 
 

@@ -68,6 +68,7 @@ def run(
     """Run an optimization task; ends with a branch nightshift/<run-id> and runs/<run-id>/."""
     from agent.preflight import check_run
     from agent.proposers import make_proposer
+    from agent.relaxed import describe as describe_relaxed
     from agent.setup import new_run_id, prepare_run
 
     if resume:
@@ -86,7 +87,8 @@ def run(
         return
     if workers is not None and workers < 1:
         fail(f"--workers {workers}: a run needs at least one worker (1 is the single-process loop)")
-    task = with_settings(load_task(task_file), settings + ([f"sandbox.workers={workers}"] if workers else []))
+    task_as_written = load_task(task_file)
+    task = with_settings(task_as_written, settings + ([f"sandbox.workers={workers}"] if workers else []))
     if proposer == "queue" or patches:
         if not patches:
             fail("--proposer queue needs --patches DIR")
@@ -117,9 +119,14 @@ def run(
 
         preflight(task)
     check_run(task)
-    setup = prepare_run(task, runs_dir, run_id=run_id)
+    setup = prepare_run(task, runs_dir, run_id=run_id, task_file=task_as_written)
     console.print(f"run [bold]{setup.run_id}[/bold] -> {setup.run_dir}  branch {setup.workspace.branch}",
                   soft_wrap=True)
+    if setup.relaxed:
+        console.print(f"[yellow]relaxed:[/yellow] {escape('; '.join(map(describe_relaxed, setup.relaxed)))}",
+                      soft_wrap=True, highlight=False)
+    for warning in setup.warnings:
+        console.print(f"[yellow]warning:[/yellow] {escape(warning)}", soft_wrap=True, highlight=False)
     run_loop(setup, chosen, quiet)
 
 
@@ -175,6 +182,8 @@ def run_loop(setup, proposer, quiet: bool, sandbox=None, resume=None, worker_san
         write_summary(setup.run_dir)
         errors.print(f"the run stopped on a bug (the trace up to here: {trace})")
         raise
+    finally:
+        setup.release_worktrees()
     summary = write_summary(setup.run_dir)
     console.print(summary)
     console.print(f"finished: {finished.reason}; kept {finished.kept} of {finished.candidates}; "
@@ -311,7 +320,10 @@ def noise(task_file: Path = typer.Argument(DEFAULT_TASK, help="task YAML"),
     check_run(task)
     setup = prepare_run(task, runs_dir, run_id=f"noise-{new_run_id()}")
     console.print(f"noise study [bold]{setup.run_id}[/bold] -> {setup.run_dir}", soft_wrap=True)
-    data = study(setup, aa, patch, repeat, on_line=console.print)
+    try:
+        data = study(setup, aa, patch, repeat, on_line=console.print)
+    finally:
+        setup.release_worktrees()
     console.print((setup.run_dir / "noise.md").read_text(), soft_wrap=True, markup=False)
     console.print(f"written: {setup.run_dir / 'noise.json'}")
     return data

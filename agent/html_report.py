@@ -13,6 +13,7 @@ from plotly.subplots import make_subplots
 
 from agent.proposers.funnel import got_through
 from agent.task import Acceptance
+from agent.relaxed import describe as describe_relaxed, of_run
 from traces import read_trace
 from traces.schema import BenchReport, Commit, Decision, Record, RunFinished, RunStarted, TokenAudit
 
@@ -26,7 +27,8 @@ table{border-collapse:collapse;font-size:13px;margin:8px 0}td,th{border:1px soli
 vertical-align:top}th{background:#f4f4f4}.bad{color:#b00020;font-weight:600}.good{color:#1b5e20}
 pre.diff{background:#fafafa;border:1px solid #ddd;padding:8px;font-size:12px;overflow-x:auto;max-height:600px}
 pre.diff .add{color:#1b5e20;background:#e8f5e9}pre.diff .del{color:#b71c1c;background:#ffebee}
-pre.diff .hunk{color:#0d47a1}.passes{display:flex;flex-wrap:wrap;gap:8px}.passes>div{flex:1 1 360px}
+pre.diff .hunk{color:#0d47a1}.passes{display:grid;grid-template-columns:repeat(auto-fill,minmax(380px,1fr));gap:8px}
+.passes>div{min-width:0}
 .note{color:#666;font-size:13px}
 """
 
@@ -38,7 +40,11 @@ class Figures:
         self.count = 0
 
     def div(self, fig: go.Figure, height: int = 360) -> str:
-        fig.update_layout(height=height, margin=dict(l=50, r=20, t=50, b=50), template="plotly_white")
+        # the title below the toolbar (which takes the top ~32 px), and room for the axis titles
+        fig.update_layout(height=height, margin=dict(l=50, r=20, t=88, b=50), template="plotly_white",
+                          title=dict(y=1, yref="container", yanchor="top", pad=dict(t=38)))
+        fig.update_xaxes(automargin=True)
+        fig.update_yaxes(automargin=True)
         out = fig.to_html(full_html=False, include_plotlyjs=self.count == 0, include_mathjax=False,
                           config={"displaylogo": False, "responsive": True})
         self.count += 1
@@ -77,6 +83,9 @@ def glance(records: list[Record], verify: dict | None) -> str:
                                + (f", ${finished.spend_usd:.4f}" if finished and finished.spend_usd else ""))),
             ("finished", _e(f"{finished.reason}; kept {finished.kept}, cumulative {finished.best_speedup:.3f}x")
              if finished else "<span class=bad>no run_finished record</span>")]
+    loosened = of_run(started)
+    if loosened:
+        rows.append(("relaxed checks", "<span class=bad>" + _e("; ".join(map(describe_relaxed, loosened))) + "</span>"))
     for sp in _events(records, "self_parity")[:1]:
         verdict = "identical" if sp.ok else "<span class=bad>DIFFERENT</span>"
         margins = ", ".join(f"{k} {v:g}" for k, v in (sp.margins or {}).items()) or (sp.margins_error or "not measured")
@@ -114,6 +123,10 @@ def funnel(records: list[Record], figs: Figures) -> str:
     return "<h2>Funnel</h2>" + figs.div(fig, 380)
 
 
+def _bench_label(candidate: int, confirmation: int | None) -> str:
+    return f"#{candidate}" + (f" conf {confirmation}" if confirmation else "")
+
+
 def speedups(records: list[Record], figs: Figures) -> str:
     started: RunStarted = records[0].event
     min_speedup = Acceptance.model_validate(started.task.get("acceptance", {})).min_speedup
@@ -123,15 +136,18 @@ def speedups(records: list[Record], figs: Figures) -> str:
     for verdict in sorted({verdicts.get(b.candidate, "unfinished") for b in reports}):
         chosen = [b for b in reports if verdicts.get(b.candidate, "unfinished") == verdict]
         fig.add_trace(go.Scatter(
-            x=[f"#{b.candidate}" + (f" conf {b.confirmation}" if b.confirmation else "") for b in chosen],
+            x=[_bench_label(b.candidate, b.confirmation) for b in chosen],
             y=[b.speedup for b in chosen], mode="markers", name=verdict,
             marker=dict(size=10, color=VERDICT_COLORS.get(verdict)),
             error_y=dict(type="data", symmetric=False, array=[b.ci_high - b.speedup for b in chosen],
                          arrayminus=[b.speedup - b.ci_low for b in chosen])))
     fig.add_hline(y=1.0, line_dash="dot", line_color="#999")
     fig.add_hline(y=min_speedup, line_dash="dash", line_color="#2ca02c", annotation_text=f"min {min_speedup}x")
+    order = sorted({(b.candidate, b.confirmation or 0) for b in reports})
     fig.update_layout(title="speedup per benchmark, with its interval", xaxis_title="candidate",
-                      yaxis_title="speedup (x)")
+                      yaxis_title="speedup (x)", xaxis=dict(
+                          categoryorder="array",  # by number, not by the verdict's trace each first appears in
+                          categoryarray=[_bench_label(n, c) for n, c in order]))
     by_sha = {r.sha256: r for r in records}
     times, values, labels, total = [0.0], [1.0], ["start"], 1.0
     for record in records:
@@ -225,8 +241,24 @@ def numerics(records: list[Record], figs: Figures) -> str:
     return "".join(out)
 
 
+VERDICTS = [("regression", "#d6604d"), ("no difference", "#e6e6e6"), ("faster, under min_speedup", "#92c5de"),
+            ("faster than min_speedup", "#2166ac"), ("failed", "#762a83")]
+"""A verify cell's colour: what its test decides from the interval, not the point estimate."""
+
+
+def cell_verdict(cell: dict, min_speedup: float) -> int:
+    """The index in VERDICTS: below 1 a regression, above min_speedup a win, an interval holding 1 none."""
+    s = cell["speedup"]["total_token_throughput"]
+    if cell["status"] == "failed":
+        return 4
+    return 0 if s["ci_high"] < 1.0 else 3 if s["ci_low"] > min_speedup else 2 if s["ci_low"] > 1.0 else 1
+
+
 def grid_figure(verify: dict) -> go.Figure:
     g = verify["grid"]
+    min_speedup = verify.get("min_speedup", 1.0)
+    steps = len(VERDICTS)
+    scale = [[edge / steps, color] for i, (_, color) in enumerate(VERDICTS) for edge in (i, i + 1)]
     cells = {(c["input_len"], c["output_len"], c["concurrency"]): c for c in verify["cells"]}
     fig = make_subplots(rows=1, cols=len(g["output_lens"]), subplot_titles=[f"output {o}" for o in g["output_lens"]],
                         shared_yaxes=True)
@@ -237,7 +269,7 @@ def grid_figure(verify: dict) -> go.Figure:
             for c in g["concurrency"]:
                 cell = cells[(i, o, c)]
                 rel = cell.get("relative")
-                row_z.append(rel if rel is not None else math.nan)
+                row_z.append(cell_verdict(cell, min_speedup) + 0.5 if rel is not None else math.nan)
                 if cell["status"] == "skipped":
                     row_t.append("skipped")
                 elif rel is None:
@@ -249,10 +281,12 @@ def grid_figure(verify: dict) -> go.Figure:
             z.append(row_z)
             text.append(row_t)
         fig.add_trace(go.Heatmap(z=z, x=[f"c={c}" for c in g["concurrency"]], y=[f"in {i}" for i in g["input_lens"]],
-                                 text=text, texttemplate="%{text}", colorscale="RdBu", zmid=1.0,
-                                 colorbar=dict(title="head / base"), showscale=col == 1,
+                                 text=text, texttemplate="%{text}", colorscale=scale, zmin=0, zmax=steps,
+                                 colorbar=dict(title="the interval says", tickvals=[i + 0.5 for i in range(steps)],
+                                               ticktext=[name for name, _ in VERDICTS]), showscale=col == 1,
                                  hovertemplate="%{y}, %{x}: %{text}<extra></extra>"), row=1, col=col)
-    fig.update_layout(title="verify: relative total token throughput (head / base), per cell")
+    fig.update_layout(title=f"verify: relative total token throughput (head / base), per cell; coloured by its "
+                            f"{verify['confidence']:.0%} interval against 1 and min_speedup {min_speedup:g}")
     return fig
 
 
@@ -269,6 +303,8 @@ def verify_section(verify: dict | None, figs: Figures) -> str:
             ("grid", _e(f"{verify['grid']['repetitions']} paired passes per cell, max_model_len "
                         f"{verify['grid']['max_model_len']}, parity {verify['parity_regime']}, audit tolerance "
                         f"{verify['audit_tolerance_nats']:g} nats")),
+            *([("relaxed checks", "<span class=bad>" + _e("; ".join(map(describe_relaxed, verify["relaxed"])))
+                + "</span>")] if verify.get("relaxed") else []),
             ("regressions", f"<span class={'bad' if verify['regressions'] else 'good'}>"
                             f"{_e(', '.join(verify['regressions']) or 'none')}</span>"),
             ("failed", _e(", ".join(verify["failed"]) or "none")),

@@ -379,7 +379,8 @@ class Loop:
     def keep(self, proposal: Proposal, decision: Decision, decision_sha: str, handed: tuple[Server, Path], args: dict,
              parity_digest: str, audits: list[TokenAudit]) -> None:
         n, (server, tree) = proposal.candidate, handed
-        message = commit_message(self.task, self.s.run_id, proposal, decision, decision_sha, parity_digest, audits)
+        message = commit_message(self.task, self.s.run_id, proposal, decision, decision_sha, parity_digest, audits,
+                                 self.s.relaxed)
         sha = self.s.workspace.commit(tree, args, message)
         self.emit(Commit(candidate=n, branch=self.s.workspace.branch, commit=sha, decision_sha256=decision_sha))
         previous, self.incumbent = self.incumbent, Incumbent(server, dict(args), tree)

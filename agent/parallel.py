@@ -284,7 +284,7 @@ class Parallel:
 
     def commit(self, proposal: Proposal, decision: Decision, decision_sha: str, result: WorkerResult) -> None:
         message = commit_message(self.task, self.s.run_id, proposal, decision, decision_sha, result.parity_digest,
-                                 result.audits)
+                                 result.audits, self.s.relaxed)
         sha = self.s.workspace.commit(Path(result.tree), result.args, message)
         self.emit(Commit(candidate=proposal.candidate, branch=self.s.workspace.branch, commit=sha,
                          decision_sha256=decision_sha))

@@ -3,7 +3,6 @@ stopped here exactly once. Servers of the unmodified baseline tree export their 
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +12,11 @@ from pathlib import Path
 from agent.serve_args import split_args
 from agent.task import Task
 from sandbox.base import Sandbox, SandboxError, Server, ServerSpec
+
+START_SCALE = 3.0
+"""A candidate's server may take this many times the baseline's slowest start on this host (at least
+engine.startup_timeout_s): a host loaded enough to slow the baseline's start slows the candidate's too, and
+that is no fault of the candidate's."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,8 @@ class ServerPool:
         self.starts_log = starts_log
         """Where each start's duration goes, a JSON line per server (operational, not part of the trace)."""
         self.trusted: Path | None = None
+        self.baseline_start_s = 0.0
+        """The slowest start of a server of the unmodified baseline tree, as measured in this pool."""
         self.running: list[Server] = []
         self._lock = threading.Lock()
         self.sandbox.reap()
@@ -49,6 +55,17 @@ class ServerPool:
         """The unmodified baseline tree: its servers may export compile caches."""
         self.trusted = Path(tree)
 
+    def start_timeout(self, request: ServerRequest) -> tuple[float, str]:
+        """(seconds, on what they rest): engine.startup_timeout_s, for a server not of the baseline tree raised to
+        START_SCALE x the baseline's slowest start, and never past the candidate's time left."""
+        timeout, basis = self.task.engine.startup_timeout_s, "engine.startup_timeout_s"
+        if Path(request.tree) != self.trusted and START_SCALE * self.baseline_start_s > timeout:
+            timeout = START_SCALE * self.baseline_start_s
+            basis = f"{START_SCALE:g} x the baseline's start ({self.baseline_start_s:.1f} s)"
+        if request.startup_timeout_s is not None and request.startup_timeout_s < timeout:
+            timeout, basis = request.startup_timeout_s, "the candidate's time left"
+        return timeout, basis
+
     def spec(self, request: ServerRequest) -> ServerSpec:
         engine, parity = self.task.engine, self.task.parity
         env = {**engine.env, **(parity.env if request.parity else {})}
@@ -59,7 +76,7 @@ class ServerPool:
         seed = self.cache_seed if self.cache_seed is not None and self.cache_seed.is_dir() else None
         return ServerSpec(name=request.name, labels={"nightshift.run": self.run_id, "nightshift.candidate": request.name},
                           source_tree=request.tree, model_dir=self.model_dir, engine_args=args, env=env,
-                          startup_timeout_s=min(engine.startup_timeout_s, request.startup_timeout_s or math.inf),
+                          startup_timeout_s=self.start_timeout(request)[0],
                           gpus=self.task.sandbox.gpus, cache_seed=seed)
 
     def _start_one(self, request: ServerRequest, cancel: threading.Event | None = None) -> Server:
@@ -72,6 +89,8 @@ class ServerPool:
         self._log_start(request, began, "ok")
         with self._lock:
             self.running.append(server)
+            if self.trusted is not None and Path(request.tree) == self.trusted:
+                self.baseline_start_s = max(self.baseline_start_s, time.monotonic() - began)
         if self.cache_seed is not None and self.trusted is not None and Path(request.tree) == self.trusted:
             with self._lock:
                 self.sandbox.export_cache(server, self.cache_seed)
@@ -80,8 +99,10 @@ class ServerPool:
     def _log_start(self, request: ServerRequest, began: float, outcome: str) -> None:
         if self.starts_log is None:
             return
+        timeout, basis = self.start_timeout(request)
         line = {"server": request.name, "parity": request.parity, "trusted": Path(request.tree) == self.trusted,
-                "backend": self.task.sandbox.backend, "seconds": round(time.monotonic() - began, 2), "outcome": outcome}
+                "backend": self.task.sandbox.backend, "seconds": round(time.monotonic() - began, 2), "outcome": outcome,
+                "timeout_s": round(timeout, 1), "timeout_from": basis}
         with self._lock, open(self.starts_log, "a") as f:
             f.write(json.dumps(line) + "\n")
 

@@ -1,9 +1,11 @@
 """Checks that run before any server starts, so a broken environment fails in seconds, not per server."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 from sandbox.base import last_error_line
 from traces.errors import NightshiftError
@@ -75,3 +77,37 @@ def check_run(task) -> None:
     from agent.serve_args import check_levers
 
     check_levers(task, installed_vllm()[1])
+
+
+def check_patches(task, repo) -> list[str]:
+    """Each queued patch `git apply --check`ed against the run's base (the version tag), in a scratch index:
+    raises PreflightError if none applies; returns a warning for each that does not (a patch may build on
+    an earlier one, which applies to the branch only once that one is kept)."""
+    if task.proposer.kind != "queue":
+        return []
+    from agent.checkout import version_tag
+    from agent.proposers.queue import QueueProposer, has_diff
+
+    base = version_tag(task.target.vllm_version)
+    failed: dict[str, str] = {}
+    pending = QueueProposer(task.proposer.patches).pending
+    with tempfile.TemporaryDirectory(prefix="nightshift-patches-") as scratch:
+        env = {**os.environ, "GIT_INDEX_FILE": str(Path(scratch) / "index")}
+        repo.git.read_tree(base, env=env)
+        for path in pending:
+            text = path.read_text()
+            if not has_diff(text):
+                continue  # serving flags only
+            proc = subprocess.run(["git", "apply", "--check", "--cached", "--whitespace=nowarn", "-"],
+                                  input=text if text.endswith("\n") else text + "\n", capture_output=True,
+                                  text=True, cwd=repo.working_dir, env=env)
+            if proc.returncode:
+                errors = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
+                cause = errors[0][len("error: "):].replace(" in index", "") if errors else f"exit {proc.returncode}"
+                failed[path.name] = cause
+    if failed and len(failed) == len(pending):
+        first = next(iter(failed.items()))
+        raise PreflightError(f"no queued patch applies to {base} in {repo.working_dir} ({len(failed)} checked; "
+                             f"{first[0]}: {first[1]})")
+    return [f"{name} does not apply to {base} ({cause}); it is still proposed, after the patches before it"
+            for name, cause in failed.items()]

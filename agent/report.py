@@ -6,6 +6,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from agent.relaxed import of_run
 from agent.token_audit import trailer
 from agent.view import noise_line
 from traces import read_trace
@@ -76,6 +77,10 @@ def write_summary(run_dir: Path) -> str:
     return "\n".join(["  # verdict  stage      summary" + " " * 43 + "reason", *lines])
 
 
+def _shown(entry: dict, key: str) -> str:
+    return "" if key not in entry else "null" if entry[key] is None else str(entry[key])
+
+
 def review_tables(run_dir: Path) -> list[Table]:
     records = read_trace(Path(run_dir) / "trace.jsonl")
     candidates = _by_candidate(records)
@@ -83,7 +88,7 @@ def review_tables(run_dir: Path) -> list[Table]:
     audits = _audits(records)
     for column in ("commit", "candidate", "what changed", "speedup [interval]", "parity evidence", "token audit",
                    "samples"):
-        kept.add_column(column)
+        kept.add_column(column, overflow="fold")  # a narrow terminal wraps a long word rather than cut it
     for record in records:
         if not isinstance(record.event, Commit):
             continue
@@ -111,6 +116,14 @@ def review_tables(run_dir: Path) -> list[Table]:
             rejected.add_row(str(n), events["proposal"].summary[:60], decision.verdict, decision.stage,
                              decision.reason[:160])
     tables = [kept, rejected]
+    loosened = of_run(records[0].event)
+    if loosened:
+        relaxed = Table(title="relaxed checks (looser than their default or the task file)")
+        for column in ("setting", "value", "default", "task file"):
+            relaxed.add_column(column)
+        for entry in loosened:
+            relaxed.add_row(entry["setting"], *(_shown(entry, k) for k in ("value", "default", "task_file")))
+        tables.insert(0, relaxed)
     for record in records:
         if isinstance(record.event, NoiseFloor):
             noise = Table(title="noise floor (baseline A/A)")

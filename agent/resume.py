@@ -29,6 +29,7 @@ from agent.checkout import installed_vllm, open_checkout
 from agent.checkpoint import cache_root, prepare_model
 from agent.move import Arrival, is_pack, moved, place_checkout, refuse_if_alive_here, settled, unpack
 from agent.commits import commit_message
+from agent.relaxed import of_run
 from agent.proposers import Proposer, make_proposer
 from agent.proposers.base import Attempt
 from agent.setup import RunSetup, _version, lock_run
@@ -110,7 +111,7 @@ def make_commit(setup: RunSetup, p: PendingKeep) -> str:
     try:
         setup.workspace.apply(tree, p.proposal.patch)
         message = commit_message(setup.task, setup.run_id, p.proposal, p.decision.event, p.decision.sha256,
-                                 p.parity_digest, p.audits)
+                                 p.parity_digest, p.audits, setup.relaxed)
         return setup.workspace.commit(tree, p.applied.engine_args, message)
     finally:
         setup.workspace.remove(tree)
@@ -210,7 +211,8 @@ def open_run(run_dir: Path, records: list[Record], vllm_version: str | None, loc
     seed = cache_root() / "compile-caches" / f"vllm-{version}"
     return RunSetup(task=task, run_id=started.run_id, run_dir=run_dir, repo=repo, model=model, vocab_size=vocab_size,
                     trace=None, workspace=workspace, base_commit=started.base_commit, vllm_version=version,
-                    torch_version=_version("torch"), linked=linked, cache_seed=seed, lock=lock)
+                    torch_version=_version("torch"), linked=linked, cache_seed=seed, lock=lock,
+                    relaxed=of_run(started))
 
 
 def refuse_unless_resumable(run_dir: Path, records: list[Record]):

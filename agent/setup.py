@@ -12,7 +12,7 @@ import socket
 import secrets
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import git
@@ -21,6 +21,8 @@ import agent
 from agent.build import build
 from agent.checkout import create_checkout, default_checkout_path, installed_vllm, open_checkout, version_tag
 from agent.checkpoint import CheckpointInfo, cache_root, prepare_model
+from agent.preflight import check_patches
+from agent.relaxed import relaxed
 from agent.task import Task
 from agent.workspace import Workspace
 from sandbox.host import process_identity
@@ -98,6 +100,10 @@ class RunSetup:
     """Compile caches kept across runs; only servers of the unmodified vLLM export to it."""
     lock: object = None
     """The run folder's lock (`lock_run`), held as long as this setup lives."""
+    relaxed: list[dict] = field(default_factory=list)
+    """The checks this task loosens against its defaults and its task file (agent/relaxed.py)."""
+    warnings: list[str] = field(default_factory=list)
+    """What the checks before the run found but did not refuse (a queued patch that does not apply to the base)."""
 
     def run_started(self) -> RunStarted:
         return RunStarted(run_id=self.run_id, nightshift_version=agent.__version__, vllm_version=self.vllm_version,
@@ -106,20 +112,27 @@ class RunSetup:
                           base_commit=self.base_commit, branch=self.workspace.branch, model_sha256=self.model.sha256,
                           model_margins=self.model.margins.model_dump() if self.model.margins else None,
                           task=self.task.model_dump(mode="json"), host=socket.gethostname(),
-                          run_dir=str(self.run_dir), cache=str(cache_root()))
+                          run_dir=str(self.run_dir), cache=str(cache_root()), relaxed=self.relaxed)
 
     def baseline_tree(self) -> Path:
         tree = self.workspace.worktree("baseline")
         build(0, tree, [], link=self.linked)
         return tree
 
+    def release_worktrees(self) -> int:
+        """Once the run has ended: its worktrees (the baseline's, the incumbent's) removed, and unregistered from
+        the checkout, which runs share; the branch keeps what was kept. Returns how many."""
+        return self.workspace.remove_under(self.run_dir)
+
     def branch_diff(self, limit: int = 50_000) -> str:
         return self.repo.git.diff(self.base_commit, self.workspace.head())[:limit]
 
 
-def prepare_run(task: Task, runs_dir: Path, run_id: str | None = None, vllm_version: str | None = None) -> RunSetup:
+def prepare_run(task: Task, runs_dir: Path, run_id: str | None = None, vllm_version: str | None = None,
+                task_file: Task | None = None) -> RunSetup:
     """Check the checkout and the model, then create the run folder, its trace and the run branch.
-    `vllm_version` stands in for the installed vLLM (a test's pure-Python stand-in): nothing is linked."""
+    `vllm_version` stands in for the installed vLLM (a test's pure-Python stand-in): nothing is linked.
+    `task_file`: the task before `--set`, against which (and its defaults) loosened checks are named."""
     run_id = run_id or new_run_id()
     run_dir = Path(runs_dir).resolve() / run_id
     if run_dir.exists():
@@ -127,6 +140,7 @@ def prepare_run(task: Task, runs_dir: Path, run_id: str | None = None, vllm_vers
     linked = vllm_version is None
     version = installed_vllm()[1] if linked else vllm_version
     repo = prepare_checkout(task, version)
+    warnings = check_patches(task, repo)
     model = prepare_model(task)
     vocab_size = int(json.loads((model.path / "config.json").read_text())["vocab_size"])
     run_dir.mkdir(parents=True)
@@ -138,4 +152,5 @@ def prepare_run(task: Task, runs_dir: Path, run_id: str | None = None, vllm_vers
     seed = cache_root() / "compile-caches" / f"vllm-{version}"
     return RunSetup(task=task, run_id=run_id, run_dir=run_dir, repo=repo, model=model, vocab_size=vocab_size,
                     trace=trace, workspace=workspace, base_commit=base_commit, vllm_version=version,
-                    torch_version=_version("torch"), linked=linked, cache_seed=seed, lock=lock)
+                    torch_version=_version("torch"), linked=linked, cache_seed=seed, lock=lock,
+                    relaxed=relaxed(task, task_file), warnings=warnings)

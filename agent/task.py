@@ -56,6 +56,8 @@ class Engine(Strict):
     """Baseline `vllm serve` arguments, without the leading dashes (max_num_seqs: 8)."""
     env: dict[str, str] = Field(default_factory=dict)
     startup_timeout_s: float = Field(600, gt=0)
+    """A server's start; a candidate's may take up to 3x the baseline's slowest start on this host if that is more
+    (agent/pool.py START_SCALE; server_starts.jsonl records which bound each start had)."""
 
 
 class Workload(Strict):

@@ -27,7 +27,8 @@ from agent.paths import cache_root
 from agent.pool import ServerPool, ServerRequest
 from agent.requests import ANSWER_ERRORS, draw_prompts
 from agent.stats import estimate_speedup
-from agent.task import Task, Workload, Benchmark, parse_task, with_overrides
+from agent.relaxed import describe as describe_relaxed, relaxed
+from agent.task import Task, Workload, Benchmark, parse_task, with_overrides, with_settings
 from agent.token_audit import audit_passed, describe, run_audit
 from agent.workspace import Workspace, serve_args_at
 from sandbox import make_sandbox
@@ -62,6 +63,13 @@ class Target:
     """The run's model, which the checkpoint prepared now must match."""
     settings: list[str] = field(default_factory=list)
     """`--set` overrides applied to the task for this verify."""
+    relaxed: list[dict] = field(default_factory=list)
+    """The checks those overrides loosen (agent/relaxed.py), against the task's defaults and the task before."""
+
+    def set(self, settings: list[str]) -> None:
+        """Apply `--set` overrides to the task, and note the checks they loosen."""
+        before, self.task = self.task, with_settings(self.task, list(settings))
+        self.settings, self.relaxed = list(settings), relaxed(self.task, before)
 
     @property
     def out_dir(self) -> Path:
@@ -82,7 +90,8 @@ def _check_moved(repo: git.Repo, base: str, head: str, head_ref: str) -> None:
 
 def run_target(run_dir: Path, base: str | None = None, head: str | None = None) -> Target:
     """A run's baseline (its base commit) and its branch's head, from the run's checkout or packed bundle."""
-    records = read_trace(Path(run_dir) / "trace.jsonl")
+    run_dir = Path(run_dir).resolve()  # the worktrees go under it, and git runs in the checkout
+    records = read_trace(run_dir / "trace.jsonl")
     started = records[0].event
     task = parse_task(started.task, f"{run_dir}/trace.jsonl (run_started.task)")
     try:
@@ -93,7 +102,7 @@ def run_target(run_dir: Path, base: str | None = None, head: str | None = None) 
     base_ref, head_ref = base or started.base_commit, head or started.branch
     base_sha, head_sha = _commit(repo, base_ref, "base"), _commit(repo, head_ref, "head")
     _check_moved(repo, base_sha, head_sha, f"branch {head_ref}")
-    return Target(task, repo, base_sha, head_sha, base_ref, head_ref, Path(run_dir), started.run_id,
+    return Target(task, repo, base_sha, head_sha, base_ref, head_ref, run_dir, started.run_id,
                   started.model_sha256)
 
 
@@ -307,7 +316,7 @@ def verify(target: Target, input_lens: list[int], output_lens: list[int], concur
     results = (_measure(target, plan, model.path, base_args, head_args, vocab, repetitions, progress, sandbox, link)
                if plan.runnable else [skipped(c) for c in plan.cells])
     data = {"format": FORMAT, "run_id": target.run_id, "task": task.name,
-            "settings": target.settings,
+            "settings": target.settings, "relaxed": target.relaxed,
             "base": {"ref": target.base_ref, "commit": target.base, "engine_args": base_args},
             "head": {"ref": target.head_ref, "commit": target.head, "engine_args": head_args},
             "environment": environment(task, model.sha256, plan.max_model_len or None),
@@ -316,6 +325,7 @@ def verify(target: Target, input_lens: list[int], output_lens: list[int], concur
                      "max_model_len": plan.max_model_len, "kv_cache_bytes": plan.kv_cache_bytes,
                      "kv_bytes_per_token": plan.kv_bytes_per_token, "notes": plan.notes},
             "metric": "total_token_throughput", "confidence": task.acceptance.confidence,
+            "min_speedup": task.acceptance.min_speedup,
             "parity_regime": task.parity.regime, "audit_tolerance_nats": task.audit.hard_bound_nats,
             "audit_rate_ratio": task.audit.rate_ratio,
             "seconds": round(time.time() - started, 1), "cells": results}
@@ -383,7 +393,8 @@ def markdown(data: dict) -> str:
              f"{data['confidence']:.0%} interval, {grid['repetitions']} paired passes per cell.", "",
              f"{hardware}; vLLM {env['vllm']}, torch {env['torch']}, {env['dtype']}, max_model_len "
              f"{env['max_model_len']}, nightshift {env['nightshift']}, model {env['model_sha256'][:12]}"
-             + (f"; task overrides: {', '.join(data['settings'])}" if data.get("settings") else ""), "",
+             + (f"; task overrides: {', '.join(data['settings'])}" if data.get("settings") else "")
+             + (f"; relaxed: {'; '.join(map(describe_relaxed, data['relaxed']))}" if data.get("relaxed") else ""), "",
              "| input | output | " + " | ".join(f"c={c}" for c in grid["concurrency"]) + " |",
              "|---|---|" + "---|" * len(grid["concurrency"])]
     by_key = {(c["input_len"], c["output_len"], c["concurrency"]): c for c in data["cells"]}

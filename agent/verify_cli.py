@@ -7,7 +7,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from agent.grid import parse_lens
-from agent.task import load_task, with_settings
+from agent.task import load_task
 from agent.verify import VerifyError, checkout_target, run_target, verify
 from agent.verify_view import VerifyProgress
 
@@ -33,8 +33,7 @@ def run_verify(console: Console, run: str | None, runs_dir: Path, base: str | No
     else:
         raise VerifyError("verify needs a run (id or folder), or --checkout PATH --head REF")
     if settings:
-        target.task = with_settings(target.task, list(settings))
-        target.settings = list(settings)
+        target.set(settings)
     v = target.task.verify
     lens = [parse_lens(text, name) if text else default for text, name, default in
             ((input_lens, "input-lens", v.input_lens), (output_lens, "output-lens", v.output_lens),

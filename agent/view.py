@@ -130,3 +130,5 @@ class LiveView:
     def __exit__(self, *exc):
         if self.live:
             self.live.__exit__(*exc)
+            if not self.console.is_terminal:  # rich ends the last frame with a newline only on a terminal
+                self.console.line()

@@ -55,7 +55,9 @@ class Workspace:
         return self.add(self.worktrees / name, self.head())
 
     def add(self, path: Path, commit: str) -> Path:
-        """A fresh detached worktree of `commit` at `path` (one there before is removed)."""
+        """A fresh detached worktree of `commit` at `path` (one there before is removed). A relative `path` is
+        this process's, not the checkout's, where git runs."""
+        path = Path(path).absolute()
         with self.locked():
             if path.exists():
                 self._remove(path)

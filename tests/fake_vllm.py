@@ -32,7 +32,7 @@ FAKE_CRASH=NAME[,NAME...] in the environment: the server named NAME exits at sta
 a device would. FAKE_FREEZE=NAME:N[,NAME:N...] in the environment: the server named NAME (its home folder's name) freezes
 mid-stream once it has begun N+1 streamed completions, and never sends another byte (it still answers /health),
 as a wedged engine does. FAKE_CPU_BOUND=1: the per-token delay is spent computing, not sleeping, so a server
-slows when others take its CPU.
+slows when others take its CPU. FAKE_START_S=S: every server waits S seconds before it starts (a slow host).
 """
 import hashlib
 import json
@@ -55,6 +55,7 @@ if config["mode"] == "crash":
 if config["mode"] == "stall":
     time.sleep(3600)
 watched = os.environ.get("VLLM_BATCH_INVARIANT") == "1"
+time.sleep(float(os.environ.get("FAKE_START_S", 0)))  # a slow host: every server takes this long to start
 time.sleep(config.get("parity_start_s" if watched else "production_start_s", 0))
 if config.get("production_crash") and not watched:
     sys.exit("fake_vllm: the production server crashes at startup as configured")

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from agent.checkout import CheckoutError, open_checkout
-from agent.task import load_task
+from agent.task import load_task, with_overrides
 from sandbox.base import SandboxError, ServerSpec, last_error_line
 from sandbox.local import LocalSandbox, free_port
 from tests.conftest import has_vllm
@@ -166,6 +166,41 @@ def test_unparseable_patch(home, text, cause):
     (home / "patches" / "2-bad.patch").write_text(text)
     message = checked(home, TASK, "--patches", home / "patches", causes=(cause,))
     assert "2-bad.patch: not a patch git can read" in message and "1-ok.patch" not in message
+
+
+NOT_APPLYING = "Subject: edits a file the base lacks\n\n--- a/vllm/nope.py\n+++ b/vllm/nope.py\n@@ -1 +1 @@\n-a\n+b\n"
+
+
+@needs_vllm
+def test_a_queue_none_of_whose_patches_applies_is_refused_before_the_baseline(home):
+    checkout = fake_checkout(home, installed_version())
+    branches = git.Repo(checkout).git.branch("-a")
+    (home / "patches").mkdir()
+    for name in ("1-a.patch", "2-b.patch"):
+        (home / "patches" / name).write_text(NOT_APPLYING)
+    task = task_file(home, target={"vllm_version": installed_version(), "checkout": str(checkout)})
+    message = assert_one_error(run(home, task, "--patches", home / "patches"), "no queued patch applies")
+    assert "(2 checked; 1-a.patch: vllm/nope.py: does not exist)" in message
+    assert not (home / "runs").exists()
+    assert git.Repo(checkout).git.branch("-a") == branches and not git.Repo(checkout).git.status("--porcelain")
+
+
+def test_a_queued_patch_that_does_not_apply_beside_one_that_does_is_a_warning(home):
+    from agent.preflight import check_patches
+    from tests.test_loop_judgement import new_file_patch
+
+    checkout = fake_checkout(home, installed_version())
+    (home / "patches").mkdir()
+    (home / "patches" / "1-ok.patch").write_text(new_file_patch("vllm/new.py", "X = 1\n", "adds a file"))
+    (home / "patches" / "2-bad.patch").write_text(NOT_APPLYING)
+    (home / "patches" / "3-flags.patch").write_text("Nightshift-Engine-Args: {max_num_seqs: 8}\n")
+    task = with_overrides(load_task(task_file(home, target={"vllm_version": installed_version(),
+                                                            "checkout": str(checkout)})),
+                          proposer={"kind": "queue", "patches": str(home / "patches")})
+    warnings = check_patches(task, git.Repo(checkout))
+    assert warnings == ["2-bad.patch does not apply to v%s (vllm/nope.py: does not exist); it is still "
+                        "proposed, after the patches before it" % installed_version()]
+    assert not git.Repo(checkout).git.status("--porcelain")  # the scratch index is not the checkout's
 
 
 def test_docker_not_running(home):

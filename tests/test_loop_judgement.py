@@ -512,3 +512,48 @@ def test_a_candidate_that_works_while_the_incumbent_is_measured(run, monkeypatch
         with pytest.raises(TraceError, match="counted, though the candidate's server used"):
             check_decisions(records)
     assert loop.pool.running == [] and stopped_once(loop)
+
+
+def registered_under(repo_path: Path, root: Path) -> list[str]:
+    listing = git.Repo(repo_path).git.worktree("list", "--porcelain").splitlines()
+    return [l.split(" ", 1)[1] for l in listing if l.startswith("worktree ") and str(root) in l]
+
+
+def test_a_run_that_ends_leaves_no_worktree_registered_in_the_shared_checkout(run, monkeypatch):
+    from agent.cli import run_loop
+
+    setup, loop = run({"1-random.patch": new_file_patch("vllm/fake_mode_1.json", mode("random"), "different tokens"),
+                       "2-fast.patch": new_file_patch("vllm/fake_mode_2.json", mode("exact", 0.0025), "faster")})
+    seen = []
+    real_step = Loop.step
+
+    def step(self, n):  # while the run goes on, its trees are there (the baseline's, the incumbent's)
+        seen.append(len(registered_under(setup.repo.working_dir, setup.run_dir)))
+        return real_step(self, n)
+
+    monkeypatch.setattr(Loop, "step", step)
+    run_loop(setup, loop.proposer, quiet=True, sandbox=loop.pool.sandbox)
+    assert seen and min(seen) >= 1
+    assert registered_under(setup.repo.working_dir, setup.run_dir) == []
+    assert not list((setup.run_dir / "worktrees").glob("*"))
+    assert audit(setup.run_dir).finished  # the branch is untouched
+
+
+def test_a_host_slow_to_start_the_baseline_does_not_blame_the_candidate(run):
+    """Every server waits 3 s to start (a loaded host) and the no-op candidate's 3 s more, past
+    engine.startup_timeout_s 5 s: its start may take 3x the baseline's slowest, and it is judged, not crashed."""
+    import json as _json
+
+    setup, loop = run({"1-noop.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", production_start_s=3,
+                                                                                 parity_start_s=3), "a no-op")},
+                      engine={"startup_timeout_s": 5, "env": {"FAKE_START_S": "3"}})
+    loop.run()
+    decision = decisions(setup)[1]
+    assert decision.stage != "start", decision.reason
+    starts = [_json.loads(l) for l in (setup.run_dir / "server_starts.jsonl").read_text().splitlines()]
+    baseline = [s for s in starts if s["trusted"]]
+    candidate = [s for s in starts if not s["trusted"] and s["server"].startswith("candidate")]
+    assert baseline and all(s["timeout_from"] == "engine.startup_timeout_s" for s in baseline)
+    assert candidate and all(s["outcome"] == "ok" and s["seconds"] > 5 and s["timeout_from"].startswith("3 x the "
+                                                                                                      "baseline's start")
+                             for s in candidate), candidate

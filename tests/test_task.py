@@ -92,3 +92,24 @@ def test_settings_override_nested_fields_and_name_bad_ones():
         with_settings(task, ["workload.input_len"])
     with pytest.raises(TaskError, match="not a section"):
         with_settings(task, ["nope.key=1"])
+
+
+def test_loosened_checks_are_named_against_the_defaults_and_the_task_file():
+    from agent.relaxed import describe, relaxed
+    from agent.task import with_settings
+
+    task = load_task(DEFAULT)
+    assert relaxed(task, task) == []  # the built-in task is as strict as the defaults or stricter
+    run = with_settings(task, ["audit.tolerance_nats=1.0", "acceptance.min_speedup=1.03", "acceptance.confidence=0.99",
+                               "benchmark.max_idle_cpu=null", "audit.sample=4", "acceptance.confirmations=0",
+                               "benchmark.max_client_busy=0.5", "audit.enabled=false"])
+    assert [describe(e) for e in relaxed(run, task)] == [
+        "acceptance.min_speedup=1.03 (task file 1.05)",  # above the default 1.02, below the file's 1.05
+        "acceptance.confirmations=0 (task file 1)",
+        "benchmark.max_idle_cpu=null (default 0.25)",
+        "audit.enabled=false (default true)",
+        "audit.sample=4 (default null)",
+        "audit.tolerance_nats=1 (default 0.5)"]
+    # a trace of before the record held them: against the defaults only
+    assert [e["setting"] for e in relaxed(run.model_dump(mode="json"))] == [
+        "benchmark.max_idle_cpu", "audit.enabled", "audit.sample", "audit.tolerance_nats"]

@@ -49,3 +49,19 @@ def test_a_parity_failure_ends_the_start_bar():
     view.update(Build(candidate=1, tree="t", source_sha256="s", compiled_from="c", seconds=1.0))
     view.update(ParityReport(candidate=1, ok=False, regime="sequential", prompts=4, tokens_per_prompt=8, digest="d"))
     assert "starting" not in shown(view) and "warmup" not in shown(view)
+
+
+def test_output_after_the_live_view_begins_on_a_line_of_its_own_without_a_terminal():
+    import io
+
+    out = io.StringIO()
+    console = Console(file=out, width=100)  # not a terminal: the live view prints its last frame once, at exit
+    assert not console.is_terminal
+    for events in ([], [Build(candidate=1, tree="t", source_sha256="s", compiled_from="c", seconds=1.0)]):
+        out.seek(0), out.truncate()
+        with LiveView(load_task(ROOT / "tasks" / "gemma4-tiny-cpu.yaml"), console) as view:
+            for event in events:
+                view.update(event)
+        console.print("summary")
+        lines = out.getvalue().splitlines()
+        assert "summary" in lines and lines[-2].strip() and "summary" not in lines[-2], out.getvalue()

@@ -42,6 +42,8 @@ class RunStarted(Event):
     run_dir: str = ""
     cache: str = ""
     """Where the run started (its NIGHTSHIFT_CACHE): a resumed run that moved records the way from here."""
+    relaxed: list[dict[str, Any]] | None = None
+    """The checks the task loosens (agent/relaxed.py): each setting, its value, its default and the task file's."""
 
 
 class SelfParity(Event):
