@@ -98,7 +98,7 @@ def test_the_task_field_keeps_its_old_name_and_the_built_in_tasks_use_the_defaul
 # --- rates by simulation from recorded deficits ---------------------------------------------------------------
 
 def test_false_rejects_by_simulation_from_recorded_deficits_stay_under_one_percent():
-    for source in (audit_study.cpu_source(), audit_study.h200_source()):
+    for source in (audit_study.cpu_source(), audit_study.h200_source(), audit_study.h200_summary_source()):
         rate = audit_study.reject_rate(source, 600, seed=11)
         assert rate <= 0.01, (source.name, rate)
 
@@ -156,6 +156,7 @@ def audits_of(setup) -> dict[int, object]:
             if r.event.kind == "audit" and not r.event.calibration}
 
 
+@pytest.mark.serial  # its keeps are measured speed
 def test_honest_candidates_with_the_machines_noise_are_never_rejected_at_the_audit(noisy_run):
     """Six honest candidates (faster or not) whose servers flip near-ties as the baseline's do, at the CPU's and
     the H200's rates: none is rejected at the audit, and the run starts though its A/A is not exact."""
@@ -179,6 +180,7 @@ def test_honest_candidates_with_the_machines_noise_are_never_rejected_at_the_aud
     assert "not top-1 against the control's" in commit.message
 
 
+@pytest.mark.serial  # its keeps are measured speed
 def test_candidates_that_would_fool_a_fixed_tolerance_are_rejected(noisy_run):
     """Each stays within any sane per-token tolerance, or touches few requests, and is faster."""
     patches = dict([
@@ -206,6 +208,7 @@ def test_candidates_that_would_fool_a_fixed_tolerance_are_rejected(noisy_run):
     check_decisions(read_trace(setup.run_dir / "trace.jsonl"))
 
 
+@pytest.mark.serial  # its keeps are measured speed
 def test_replay_catches_a_tampered_deficit_at_its_record(noisy_run):
     setup, loop = noisy_run(dict([candidate(1, "exact", 0.004, "jitter", noise_rate=4 * CPU_RATE, noise_scale=0.4),
                                   candidate(2, "exact", 0.004, "honest", noise_rate=CPU_RATE)]))
@@ -266,3 +269,5 @@ def test_recorded_cpu_audit_data_is_real_vllm_cpu_output():
     data = json.loads(audit_study.CPU_DATA.read_text())
     assert data["vllm"] == "0.32.0" and "amx_bf16" in data["cpu_flags"]
     assert len(data["sides"]) >= 20 and all(len(s["values"]) == sum(s["per_request"]) for s in data["sides"])
+    h200 = json.loads(audit_study.H200_DATA.read_text())
+    assert h200["vllm"] == "0.26.0" and h200["tokens"] == 65536 and len(h200["values"]) == sum(h200["per_request"])
