@@ -13,13 +13,11 @@ import pytest
 from agent import audit_study
 from agent.audit import audit
 from agent.evidence import check_decisions
-from agent.loop import AuditNotCalibrated, Loop
-from agent.proposers.queue import QueueProposer
-from agent.setup import prepare_run
+from agent.loop import AuditNotCalibrated
 from agent.task import Audit, load_task
 from agent.token_audit import EPSILON_NATS, judge
-from tests.fake_sandbox import FakeSandbox
-from tests.test_loop_judgement import VERSION, decisions, fake_model, fake_task, mode, new_file_patch  # noqa: F401
+from tests.test_loop_judgement import (decisions, fake_model, mode,  # noqa: F401 (fake_model: a fixture)
+                                      loop_maker, new_file_patch, stand_in_checkout)
 from traces import TraceError, read_trace
 from traces.schema import AuditSide
 
@@ -117,34 +115,15 @@ def test_detection_by_simulation_at_the_built_in_sizes():
 @pytest.fixture(scope="module")
 def noisy_checkout(tmp_path_factory) -> Path:
     """The stand-in vLLM whose production servers flip near-ties at the AMX CPU's rate under load."""
-    path = tmp_path_factory.mktemp("noisy-vllm") / "checkout"
-    (path / "vllm").mkdir(parents=True)
-    (path / "vllm" / "__init__.py").write_text(f"VERSION = '{VERSION}'\n")
-    (path / "vllm" / "fake_mode.json").write_text(mode("exact", 0.01, noise_rate=CPU_RATE))
-    (path / ".gitignore").write_text("__pycache__/\n*.pyc\n")
-    repo = git.Repo.init(path, initial_branch="main")
-    with repo.config_writer() as config:
-        config.set_value("user", "name", "test")
-        config.set_value("user", "email", "test@localhost")
-    repo.git.add("-A")
-    repo.git.commit("-qm", "stand-in vLLM with honest numerics noise")
-    repo.create_tag(f"v{VERSION}")
-    return path
+    return stand_in_checkout(tmp_path_factory.mktemp("noisy-vllm") / "checkout",
+                             {"vllm/fake_mode.json": mode("exact", 0.01, noise_rate=CPU_RATE)})
 
 
 @pytest.fixture
 def noisy_run(tmp_path, noisy_checkout, fake_model):
-    def make(patches: dict[str, str], **overrides):
-        folder = tmp_path / "patches"
-        folder.mkdir()
-        for name, text in patches.items():
-            (folder / name).write_text(text)
-        overrides.setdefault("workload", {"num_prompts": 16, "input_len": 16, "output_len": 32, "concurrency": 4})
-        overrides.setdefault("acceptance", {"min_speedup": 1.05, "confidence": 0.95, "confirmations": 0})
-        task = fake_task(noisy_checkout, fake_model, folder, **overrides)
-        setup = prepare_run(task, tmp_path / "runs", vllm_version=VERSION)
-        return setup, Loop(setup, QueueProposer(folder), sandbox=FakeSandbox(tmp_path / "servers"))
-    return make
+    return loop_maker(tmp_path, noisy_checkout, fake_model,
+                      workload={"num_prompts": 16, "input_len": 16, "output_len": 32, "concurrency": 4},
+                      acceptance={"min_speedup": 1.05, "confidence": 0.95, "confirmations": 0})
 
 
 def candidate(n: int, name: str, delay_s: float, subject: str, **config) -> tuple[str, str]:

@@ -27,13 +27,13 @@ VERSION = "0.32.0"
 pytestmark = pytest.mark.serial  # serial: speedup intervals and the idle-work check's CPU counts
 
 
-@pytest.fixture(scope="module")
-def fake_checkout(tmp_path_factory) -> Path:
-    """A git checkout of a pure-Python stand-in for vLLM, tagged as the task's version."""
-    path = tmp_path_factory.mktemp("fake-vllm") / "checkout"
+def stand_in_checkout(path: Path, files: dict[str, str] | None = None) -> Path:
+    """A git checkout of a pure-Python stand-in for vLLM (plus `files`), tagged as the task's version."""
     (path / "vllm").mkdir(parents=True)
-    (path / "vllm" / "__init__.py").write_text("VERSION = '0.32.0'\n")
+    (path / "vllm" / "__init__.py").write_text(f"VERSION = '{VERSION}'\n")
     (path / ".gitignore").write_text("__pycache__/\n*.pyc\n")
+    for name, text in (files or {}).items():
+        (path / name).write_text(text)
     repo = git.Repo.init(path, initial_branch="main")
     with repo.config_writer() as config:
         config.set_value("user", "name", "test")
@@ -42,6 +42,11 @@ def fake_checkout(tmp_path_factory) -> Path:
     repo.git.commit("-qm", "stand-in vLLM")
     repo.create_tag(f"v{VERSION}")
     return path
+
+
+@pytest.fixture(scope="module")
+def fake_checkout(tmp_path_factory) -> Path:
+    return stand_in_checkout(tmp_path_factory.mktemp("fake-vllm") / "checkout")
 
 
 @pytest.fixture(scope="module")
@@ -80,18 +85,23 @@ def fake_task(checkout: Path, model: Path, patches: Path, **overrides):
     return with_overrides(task, **merged)
 
 
-@pytest.fixture
-def run(tmp_path, fake_checkout, fake_model):
+def loop_maker(tmp_path: Path, checkout: Path, model: Path, **defaults):
+    """make(patches, **overrides) -> (setup, loop): a queue run of the given patches on the stand-in checkout."""
     def make(patches: dict[str, str], **overrides):
         folder = tmp_path / "patches"
         folder.mkdir()
         for name, text in patches.items():
             (folder / name).write_text(text)
-        task = fake_task(fake_checkout, fake_model, folder, **overrides)
+        task = fake_task(checkout, model, folder, **{**defaults, **overrides})
         setup = prepare_run(task, tmp_path / "runs", vllm_version=VERSION)
         loop = Loop(setup, QueueProposer(folder), sandbox=FakeSandbox(tmp_path / "servers"))
         return setup, loop
     return make
+
+
+@pytest.fixture
+def run(tmp_path, fake_checkout, fake_model):
+    return loop_maker(tmp_path, fake_checkout, fake_model)
 
 
 def stopped_once(loop) -> bool:
