@@ -19,7 +19,7 @@ import git
 from agent.audit import BUNDLE, checkout_of
 from agent.checkout import create_checkout, default_checkout_path, open_checkout, version_tag
 from agent.paths import cache_root
-from sandbox.host import owner_alive
+from sandbox.host import owner_alive, same_boot
 from traces.errors import NightshiftError
 from traces.schema import Moved, Record, Resumed, RunStarted
 
@@ -89,8 +89,8 @@ def refuse_if_alive_here(run_dir: Path) -> None:
     would go on from the same state. On another host the recorded pid means nothing; the pack says it was live."""
     manifest = _manifest(run_dir)
     harness = manifest.get("harness", "")
-    if harness and harness.rsplit(":", 2)[0] == socket.gethostname() and owner_alive(harness):
-        raise MoveRefused(f"run {manifest.get('run_id')} still runs on this host (pid {harness.rsplit(':', 2)[1]}, "
+    if harness and same_boot(harness) and owner_alive(harness):  # identity: host:boot id:pid:start time
+        raise MoveRefused(f"run {manifest.get('run_id')} still runs on this host (pid {harness.split(':')[2]}, "
                           f"in {manifest.get('run_dir')}): stop it first (the pack was taken while it ran), or let "
                           f"it go on where it is")
 

@@ -73,7 +73,8 @@ def test_the_scripted_expert_is_kept_and_review_shows_the_notebook(tmp_path, fak
     assert f"speedup {decision.speedup:.3f}x [{decision.ci_low:.3f}, {decision.ci_high:.3f}]" in entry.summary
     assert "Learned: kept" in entry.summary
     tables = review_tables(setup.run_dir)
-    assert tables[0].row_count == 1 and tables[-1].title.startswith("lab notebook")
+    branch = next(t for t in tables if t.title.startswith("branch "))  # after the relaxed checks the fake task names
+    assert branch.row_count == 1 and tables[-1].title.startswith("lab notebook")
     assert entry.summary in str(tables[-1].columns[1]._cells)
     page = write_report(setup.run_dir).read_text()
     assert "<h2>Lab notebook</h2>" in page and "Candidate 1: serve 4x faster." in page

@@ -167,7 +167,7 @@ def test_reap_counts_each_server_once(tmp_path):
     its pid file and by their marks (a helper in a group of its own, or processes still dying after the group's
     kill) counts once, and the reaper returns when they are gone."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead_identity = harness_identity(dead.pid)
+    dead_identity = process_identity(dead.pid)
     dead.wait()
     servers = []
     for name, code in (("reference", LEAVES_ITS_GROUP), ("incumbent", "import time; time.sleep(600)"),

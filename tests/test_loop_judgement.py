@@ -424,7 +424,7 @@ def test_an_incumbent_that_freezes_mid_benchmark_is_replaced_and_the_candidate_m
     """Seen on the H200: the incumbent's production server stopped sending tokens in the middle of a pass, with
     256 requests in flight. Its stream goes silent past benchmark.stall_timeout_s; the candidate is not blamed:
     the incumbent is replaced and the candidate benchmarked again, and the failed attempt leaves no record."""
-    monkeypatch.setenv("FAKE_FREEZE", "baseline-2:28")  # 4 parity + 10 calibration + 2 warm-up + 8 + 4 requests
+    monkeypatch.setenv("FAKE_FREEZE", "baseline-2:60")  # 4 parity + 2 + 5 x 8 calibration + 2 warm-up + 8 + 4 requests
     setup, loop = run({"1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster")},
                       benchmark=WEDGE_BENCHMARK)
     finished = loop.run()
@@ -468,7 +468,7 @@ def test_a_candidate_that_freezes_mid_benchmark_crashes_there_and_the_run_goes_o
 def test_an_incumbent_that_fails_again_beside_the_same_candidate_crashes_the_candidate(run, monkeypatch):
     """A candidate that could wedge its neighbour must not earn endless re-measurements: the second failure of
     the incumbent beside it ends it as a crash, and the run goes on with a replaced incumbent."""
-    monkeypatch.setenv("FAKE_FREEZE", "baseline-2:28,incumbent-r1:6")
+    monkeypatch.setenv("FAKE_FREEZE", "baseline-2:60,incumbent-r1:6")
     setup, loop = run(two_fast("faster"), benchmark=WEDGE_BENCHMARK)
     finished = loop.run()
     records = [r.event for r in read_trace(setup.run_dir / "trace.jsonl")]

@@ -18,6 +18,10 @@ pytestmark = pytest.mark.serial  # serial: repeated A/As and a known slowdown me
 
 @pytest.fixture
 def setup(tmp_path, fake_checkout, fake_model):
+    (tmp_path / "slow-4x.patch").write_text(new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.04),
+                                                           "four times the time per token"))
+    (tmp_path / "dead-code.patch").write_text(new_file_patch("vllm/never_imported.py", "X = 1\n",
+                                                             "a module no server imports"))
     task = fake_task(fake_checkout, fake_model, tmp_path, benchmark={"warmup_requests": 2, "repetitions": 4,
                                                                     "request_timeout_s": 10, "max_client_busy": 1.0},
                      acceptance={"min_speedup": 1.3, "confidence": 0.95, "confirmations": 0})
@@ -26,10 +30,7 @@ def setup(tmp_path, fake_checkout, fake_model):
 
 @pytest.mark.slow
 def test_a_a_benchmarks_and_a_known_slowdown_on_servers_started_once(setup, tmp_path):
-    slow = tmp_path / "slow-4x.patch"
-    slow.write_text(new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.04), "four times the time per token"))
-    dead = tmp_path / "dead-code.patch"
-    dead.write_text(new_file_patch("vllm/never_imported.py", "X = 1\n", "a module no server imports"))
+    slow, dead = tmp_path / "slow-4x.patch", tmp_path / "dead-code.patch"  # written before the preflight
     sandbox = FakeSandbox(tmp_path / "servers")
     lines = []
     data = study(setup, 3, [slow, dead], 2, sandbox=sandbox, on_line=lines.append)
@@ -48,7 +49,9 @@ def test_a_a_benchmarks_and_a_known_slowdown_on_servers_started_once(setup, tmp_
         assert row["pairs"] == 4 and len(row["samples"]) == 8
         assert [s["role"] for s in row["samples"]] == ["incumbent", "candidate", "candidate", "incumbent"] * 2
     kinds = [r.event.kind for r in read_trace(setup.run_dir / "trace.jsonl")]
-    assert kinds == ["run_started"] + ["noise_floor"] * 3 + ["run_finished"]
+    # the run's audit A/A, then each A/A benchmark audited beside its noise row, then the patches' audits
+    assert kinds == ["run_started", "audit"] + ["audit", "noise_floor"] * 3 + ["audit"] * 4 + ["run_finished"]
+    assert aa["audit"]["benchmarks"] == 3 and aa["audit"]["false_rejects"] == 0
     assert audit(setup.run_dir).commits == 0  # the study's trace is a hash chain replay accepts
     text = (setup.run_dir / "noise.md").read_text()
     assert "A/A: 3 benchmarks, 0 false accepts" in text and "slow-4x: mean" in text and "detected slower in 2 of 2" in text

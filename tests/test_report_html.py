@@ -61,7 +61,9 @@ def recorded_run(tmp_path_factory, fake_checkout, fake_model):
                         task_file=task)
     finished = Loop(setup, QueueProposer(patches), sandbox=FakeSandbox(root / "servers")).run()
     write_summary(setup.run_dir)
-    assert finished.kept == 1
+    decisions = [(r.event.candidate, r.event.stage, r.event.reason) for r in read_trace(setup.run_dir / "trace.jsonl")
+                 if r.event.kind == "decision"]
+    assert finished.kept == 1, decisions
     return setup
 
 
