@@ -13,7 +13,7 @@ patch can turn it into a faster, cheating or nondeterministic candidate:
   batched - exact while one request is in flight, wrong tokens (the right number) when several are
   neartie - like batched, but under concurrency it takes the second most likely token only where the
             margin is below `near_tie` nats (batching that changes numerics at near-ties)
-  sparse  - exact, but under concurrency one request in `sparse_every` (64) gets wrong tokens
+  sparse  - exact, but under concurrency every `sparse_every`-th (64) request it serves crowded gets wrong tokens
   sparse_second - the same, but that request takes the second most likely token at every position
             (deficits 0-2 nats: inside any sane hard bound, a corruption only its concentration shows)
   crash   - exits at startup
@@ -60,7 +60,7 @@ time.sleep(config.get("parity_start_s" if watched else "production_start_s", 0))
 if config.get("production_crash") and not watched:
     sys.exit("fake_vllm: the production server crashes at startup as configured")
 import_log.write_text("".join(f"{p.relative_to(tree)}\n" for p in [tree / "vllm" / "__init__.py", *mode_files]))
-in_flight = served = streamed = 0
+in_flight = served = streamed = crowded_served = 0
 burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(config.get("idle_burn", 0))]
 cpu_bound = os.environ.get("FAKE_CPU_BOUND") == "1"
 
@@ -143,13 +143,14 @@ def honest_flip(prefix: list[int]) -> bool:
     return random.random() < 2 * rate / scale * math.exp(-margin(prefix) / scale)
 
 
-def sparse(prompt: list[int]) -> bool:
-    """One request in `sparse_every` (by its prompt) is the one a `sparse` mode corrupts."""
-    return int(hashlib.sha256(json.dumps(prompt).encode()).hexdigest(), 16) % config.get("sparse_every", 64) == 0
+def sparse(crowded_served: int) -> bool:
+    """Every `sparse_every`-th request served under concurrency is one a `sparse` mode corrupts: a count, not a
+    draw, so that an audit of N such requests holds N // sparse_every corrupted ones, never none by chance."""
+    return config["mode"] in ("sparse", "sparse_second") and crowded_served % config.get("sparse_every", 64) == 0
 
 
-def next_token(prefix: list[int], crowded: bool, prompt: list[int] = ()) -> int:
-    if crowded and config["mode"] in ("sparse", "sparse_second") and sparse(list(prompt)):
+def next_token(prefix: list[int], crowded: bool, picked: bool = False) -> int:
+    if crowded and picked:
         return 4 + (top1(prefix) + 7) % 4090 if config["mode"] == "sparse" else top1(prefix) + 1
     if crowded and honest_flip(prefix):
         return top1(prefix) + 1
@@ -164,10 +165,10 @@ def next_token(prefix: list[int], crowded: bool, prompt: list[int] = ()) -> int:
     return top1(prefix)
 
 
-def generate(prompt: list[int], count: int, crowded: bool):
+def generate(prompt: list[int], count: int, crowded: bool, picked: bool = False):
     prefix = list(prompt)
     for _ in range(count):
-        token = next_token(prefix, crowded, prompt)
+        token = next_token(prefix, crowded, picked)
         yield prefix[:], token
         prefix.append(token)
 
@@ -184,7 +185,7 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
 
     def do_POST(self):
-        global in_flight, served, streamed, frozen
+        global in_flight, served, streamed, frozen, crowded_served
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if body.get("stream") and freeze_after is not None:
             with lock:
@@ -198,6 +199,8 @@ class Handler(BaseHTTPRequestHandler):
             if in_flight == 1:
                 burn(False)
             crowded = in_flight > (1 if config["mode"] in ("batched", "neartie") else 2)
+            crowded_served += crowded
+            picked = crowded and sparse(crowded_served)
             delay_s = config.get("delay_s", 0.002)
             if served > config.get("slow_after", served):
                 delay_s = config["slow_delay_s"]
@@ -206,13 +209,13 @@ class Handler(BaseHTTPRequestHandler):
             if config["mode"] == "short" and crowded:
                 count = max(1, count // 2)
             if not body.get("stream", False):
-                self.answer_whole(body, count, crowded)
+                self.answer_whole(body, count, crowded, picked)
                 return
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Connection", "close")
             self.end_headers()
-            for step, (_, token) in enumerate(generate(body["prompt"], count, crowded)):
+            for step, (_, token) in enumerate(generate(body["prompt"], count, crowded, picked)):
                 wait(delay_s)
                 if frozen and step == count // 2:
                     time.sleep(3600)
@@ -228,8 +231,8 @@ class Handler(BaseHTTPRequestHandler):
                     burn(True)
         self.close_connection = True
 
-    def answer_whole(self, body: dict, count: int, crowded: bool):
-        steps = list(generate(body["prompt"], count, crowded))
+    def answer_whole(self, body: dict, count: int, crowded: bool, picked: bool = False):
+        steps = list(generate(body["prompt"], count, crowded, picked))
         choice = {"index": 0, "text": "", "token_ids": [t for _, t in steps]}
         if body.get("logprobs"):
             choice["logprobs"] = {"top_logprobs": [

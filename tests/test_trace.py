@@ -80,3 +80,14 @@ def test_torn_last_line_is_reported(tmp_path):
     with pytest.raises(TraceError, match="torn last line") as err:
         read_trace(path)
     assert err.value.line == 4
+
+
+def test_the_stage_order_is_the_loops_a_liveness_rejection_was_benchmarked():
+    """The loop checks liveness on the server it has just benchmarked: the funnel counts such a candidate as
+    benchmarked and not as audited, as it counts one rejected at the audit as benchmarked and built."""
+    from agent.proposers.funnel import STAGES, got_through
+    assert STAGES.index("parity") < STAGES.index("benchmark") < STAGES.index("liveness") < STAGES.index("audit")
+    live = Decision(candidate=1, verdict="discard", stage="liveness", reason="patched files never imported")
+    assert got_through(live, "benchmark") and got_through(live, "parity") and not got_through(live, "audit")
+    audited = Decision(candidate=2, verdict="discard", stage="audit", reason="hard bound")
+    assert got_through(audited, "benchmark") and not got_through(audited, "audit")

@@ -14,8 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field
 FORMAT_VERSION = 1
 
 Stage = Literal[
-    "proposal", "surface", "apply", "build", "start", "parity", "liveness", "benchmark", "audit", "decision",
+    "proposal", "surface", "apply", "build", "start", "parity", "benchmark", "liveness", "audit", "decision",
 ]
+"""The stages in the order a candidate meets them (the loop checks liveness on the benchmarked server, after its
+passes); the funnel, the report and the proposers' statistics read this order."""
 Verdict = Literal["keep", "discard", "crash", "timeout"]
 
 
