@@ -150,7 +150,7 @@ def sparse(crowded_served: int) -> bool:
 
 
 def next_token(prefix: list[int], crowded: bool, picked: bool = False) -> int:
-    if crowded and picked:
+    if picked:  # only ever a crowded request
         return 4 + (top1(prefix) + 7) % 4090 if config["mode"] == "sparse" else top1(prefix) + 1
     if crowded and honest_flip(prefix):
         return top1(prefix) + 1

@@ -9,6 +9,7 @@ from pathlib import Path
 import git
 import pytest
 
+from agent import bench
 from agent.audit import audit
 from agent.evidence import check_decisions
 from agent.loop import AuditNotCalibrated, Loop, SetupNotDeterministic
@@ -413,6 +414,14 @@ WEDGE_BENCHMARK = {"warmup_requests": 2, "repetitions": 5, "request_timeout_s": 
 """A stream silent for 2 s fails its pass (tests/fake_vllm.py's FAKE_FREEZE stops a server after N requests)."""
 
 
+def into_second_pass(task) -> int:
+    """The streamed requests the baseline's production server answers before it is halfway into the second pass
+    of the first benchmark: parity's prompts, the audit's A/A (a warm-up, then its passes), the benchmark's
+    warm-up, one pass and half of the next."""
+    size, warmup = bench.pass_size(task), task.benchmark.warmup_requests
+    return task.parity.num_prompts + warmup + bench.audit_calibration_passes(task) * size + warmup + size + size // 2
+
+
 def two_fast(first: str) -> dict:
     """Two exact candidates, both faster than the baseline."""
     return {"1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), first),
@@ -424,9 +433,9 @@ def test_an_incumbent_that_freezes_mid_benchmark_is_replaced_and_the_candidate_m
     """Seen on the H200: the incumbent's production server stopped sending tokens in the middle of a pass, with
     256 requests in flight. Its stream goes silent past benchmark.stall_timeout_s; the candidate is not blamed:
     the incumbent is replaced and the candidate benchmarked again, and the failed attempt leaves no record."""
-    monkeypatch.setenv("FAKE_FREEZE", "baseline-2:60")  # 4 parity + 2 + 5 x 8 calibration + 2 warm-up + 8 + 4 requests
     setup, loop = run({"1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster")},
                       benchmark=WEDGE_BENCHMARK)
+    monkeypatch.setenv("FAKE_FREEZE", f"baseline-2:{into_second_pass(setup.task)}")  # read as each server starts
     finished = loop.run()
     records = [r.event for r in read_trace(setup.run_dir / "trace.jsonl")]
     (restart,) = [e for e in records if e.kind == "incumbent_restarted"]
@@ -468,8 +477,8 @@ def test_a_candidate_that_freezes_mid_benchmark_crashes_there_and_the_run_goes_o
 def test_an_incumbent_that_fails_again_beside_the_same_candidate_crashes_the_candidate(run, monkeypatch):
     """A candidate that could wedge its neighbour must not earn endless re-measurements: the second failure of
     the incumbent beside it ends it as a crash, and the run goes on with a replaced incumbent."""
-    monkeypatch.setenv("FAKE_FREEZE", "baseline-2:60,incumbent-r1:6")
     setup, loop = run(two_fast("faster"), benchmark=WEDGE_BENCHMARK)
+    monkeypatch.setenv("FAKE_FREEZE", f"baseline-2:{into_second_pass(setup.task)},incumbent-r1:6")
     finished = loop.run()
     records = [r.event for r in read_trace(setup.run_dir / "trace.jsonl")]
     restarts = [(e.candidate, e.failed_server, e.server) for e in records if e.kind == "incumbent_restarted"]
