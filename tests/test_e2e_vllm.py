@@ -25,7 +25,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3000)]
 
 
 def run_task(tmp_path, checkout, **overrides):
+    """A run of the CPU task. Its A/A benchmark (benchmark.noise_floor) is off unless asked for: none of these
+    tests reads it, and tests/test_noise_floor.py runs it on this task."""
     task = load_task(ROOT / "tasks" / "gemma4-tiny-cpu.yaml")
+    overrides["benchmark"] = {"noise_floor": False, **overrides.get("benchmark", {})}
     task = with_overrides(task, target={"checkout": str(checkout)}, **overrides)
     setup = prepare_run(task, tmp_path / "runs")
     finished = Loop(setup, make_proposer(task)).run()
@@ -37,11 +40,21 @@ def events(records, kind):
     return [r.event for r in records if r.event.kind == kind]
 
 
+QUEUE = [ROOT / "tests" / "fixtures" / "patches" / name for name in
+         ("01-outside-surface.patch", "02-mlp-numerics.patch", "03-noop-comment.patch")]
+ADVERSARIAL = [ROOT / "tests" / "fixtures" / "adversarial" / name for name in
+               ("01-batch-crosstalk.patch", "02-batch-near-ties.patch")]
+"""One queue run judges both sets, the adversarial patches as candidates 4 and 5: one baseline phase for five
+candidates (none is kept, so each is measured against the same baseline, as in a run of its own)."""
+
+
 @pytest.fixture(scope="module")
 def queue_run(tmp_path_factory, vllm_checkout):
+    folder = tmp_path_factory.mktemp("queue-patches")
+    for n, patch in enumerate(QUEUE + ADVERSARIAL, 1):
+        shutil.copy(patch, folder / f"{n:02d}-{patch.name[3:]}")
     return run_task(tmp_path_factory.mktemp("queue"), vllm_checkout,
-                    proposer={"kind": "queue", "patches": str(ROOT / "tests" / "fixtures" / "patches")},
-                    budget={"max_candidates": 3})
+                    proposer={"kind": "queue", "patches": str(folder)}, budget={"max_candidates": 5})
 
 
 @pytest.fixture(scope="module")
@@ -53,20 +66,14 @@ def flags_run(tmp_path_factory, vllm_checkout):
                     budget={"max_candidates": 2}, benchmark={"repetitions": 8})
 
 
-@pytest.fixture(scope="module")
-def adversarial_run(tmp_path_factory, vllm_checkout):
-    return run_task(tmp_path_factory.mktemp("adversarial"), vllm_checkout,
-                    proposer={"kind": "queue", "patches": str(ROOT / "tests" / "fixtures" / "adversarial")},
-                    budget={"max_candidates": 2})
-
-
-def test_patches_right_alone_and_wrong_in_batches_are_rejected_at_the_audit(adversarial_run):
+def test_patches_right_alone_and_wrong_in_batches_are_rejected_at_the_audit(queue_run):
     """Both patches change only Gemma 4's compute_logits, and only when a forward step samples several
     sequences: parity (one request at a time) sees the unmodified model. With max_num_seqs 32 they are
     faster; the audit of the benchmark's own outputs on the reference rejects them, naming the position."""
-    setup, finished, records = adversarial_run
+    setup, finished, records = queue_run
     decisions = {d.candidate: d for d in events(records, "decision")}
-    for n in (1, 2):
+    crosstalk_n, near_ties_n = 4, 5
+    for n in (crosstalk_n, near_ties_n):
         parity = next(p for p in events(records, "parity") if p.candidate == n)
         assert parity.ok, f"candidate {n} must pass parity for this test to mean anything"
         bench = next(b for b in events(records, "benchmark") if b.candidate == n)
@@ -76,11 +83,11 @@ def test_patches_right_alone_and_wrong_in_batches_are_rejected_at_the_audit(adve
         assert (decisions[n].verdict, decisions[n].stage) == ("discard", "audit"), decisions[n].reason
         assert not token_audit.verdict.passed and token_audit.control.tokens == token_audit.tokens
         assert not [b for b in events(records, "benchmark") if b.candidate == n and b.confirmation]
-    crosstalk = next(a for a in events(records, "audit") if a.candidate == 1)
+    crosstalk = next(a for a in events(records, "audit") if a.candidate == crosstalk_n)
     assert crosstalk.verdict.test == "hard_bound" and crosstalk.deficits.max > 6  # another sequence's token
     v = crosstalk.violations[0]
-    assert f"request {v.request}, position {v.position}: returned {v.returned}" in decisions[1].reason
-    near_ties = next(a for a in events(records, "audit") if a.candidate == 2)
+    assert f"request {v.request}, position {v.position}: returned {v.returned}" in decisions[crosstalk_n].reason
+    near_ties = next(a for a in events(records, "audit") if a.candidate == near_ties_n)
     # the runner-up wherever the gap is under 1.5 nats: every such position flips, within any bound of a few
     # nats, far more often than the control (the same baseline, measured beside it)
     assert near_ties.verdict.test in ("hard_bound", "rate") and near_ties.deficits.non_top1 > 2 * near_ties.control.non_top1

@@ -337,7 +337,8 @@ def test_the_verify_heat_map_is_coloured_by_what_the_interval_decides():
         return {"input_len": i, "output_len": 16, "concurrency": c, "status": status, "relative": mid,
                 "regression": high < 1.0, "speedup": {"total_token_throughput": {"speedup": mid, "ci_low": low,
                                                                                   "ci_high": high}}}
-    # the two cells, whose intervals hold 1, beside a regression, a small and a large win, a failed one
+    # two cells whose intervals hold 1 (1.106x and 0.939x, once painted as a win and a loss), beside a regression,
+    # a small and a large win, a failed one
     cells = [cell(64, 1, 0.815, 1.106, 1.500), cell(64, 4, 0.458, 0.939, 1.929), cell(64, 8, 0.80, 0.85, 0.90),
              cell(128, 1, 1.01, 1.03, 1.04), cell(128, 4, 1.10, 1.20, 1.30), cell(128, 8, 1.10, 1.20, 1.30, "failed")]
     verify = {"grid": {"input_lens": [64, 128], "output_lens": [16], "concurrency": [1, 4, 8]}, "cells": cells,
