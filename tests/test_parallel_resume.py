@@ -17,12 +17,12 @@ ray = pytest.importorskip("ray")
 
 from agent.audit import audit  # noqa: E402
 from tests.test_loop_judgement import fake_model, fake_task, mode, new_file_patch  # noqa: E402,F401
-from tests.test_resume import PATCHES, fake_checkout, kept_patches, leftovers, worktrees, write_task_file  # noqa: E402,F401
+from tests.test_resume import FAST_DELAY_S, PATCHES, fake_checkout, kept_patches, leftovers, worktrees, write_task_file  # noqa: E402,F401
 from traces import read_trace  # noqa: E402
 from traces.log import CRASH_ENV  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-QUEUE = {**PATCHES, "4-conflict.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.005), "as 1")}
+QUEUE = {**PATCHES, "4-conflict.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", FAST_DELAY_S), "as 1")}
 
 
 NO_CHILD_KILLING = {"RAY_kill_child_processes_on_worker_exit": "0", "RAY_process_group_cleanup_enabled": "0",
