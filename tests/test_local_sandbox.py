@@ -152,12 +152,11 @@ def test_reap_finds_servers_their_dead_harness_never_recorded(tmp_path):
 
 LEAVES_ITS_GROUP = """
 import os, sys, time
-pid = os.fork()
-if pid == 0:
+if os.fork() == 0:
     os.setsid()  # as a server's helper process may: its own group, the server's marks still in its environment
+    print(os.getpid(), flush=True)  # once it is in its own group, not before
     time.sleep(600)
     os._exit(0)
-print(pid, flush=True)
 time.sleep(600)
 """
 
