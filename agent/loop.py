@@ -32,7 +32,7 @@ from agent.workspace import ApplyError, serve_args_at
 from sandbox import make_sandbox
 from sandbox.base import Sandbox, SandboxError, Server
 from sandbox.host import describe_snapshot, server_snapshot
-from traces.errors import NightshiftError, leaves_resumable
+from traces.errors import NightshiftError, end_reason, leaves_resumable
 from traces.schema import (AnyEvent, BenchReport, Commit, Decision, PatchApplied, Proposal, RunFinished, SampleTaken,
                            IncumbentRestarted, SelfParity, Stage, TokenAudit)
 
@@ -111,7 +111,7 @@ class Loop:
                         reason = f"{'proposer failed' if exc.kind == 'fatal' else 'proposer exhausted'}: {exc}"
                         break
         except BaseException as exc:
-            reason, resumable = f"error: {type(exc).__name__}: {exc}", leaves_resumable(exc)
+            reason, resumable = end_reason(exc), leaves_resumable(exc)
             raise
         finally:
             finished = RunFinished(reason=reason, candidates=len(self.history), kept=self.kept,

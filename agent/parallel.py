@@ -21,7 +21,7 @@ from agent.setup import RunSetup
 from agent.cluster import import_ray, preflight
 from agent.worker import Worker, WorkerResult, plain_setup
 from sandbox.local import reap_servers
-from traces.errors import leaves_resumable
+from traces.errors import end_reason, leaves_resumable
 from traces.schema import AnyEvent, Commit, Decision, Proposal, Remeasured, RunFinished
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ class Parallel:
                 self.start_workers(ray)
                 reason = self.schedule(ray, started) or reason
         except BaseException as exc:
-            reason, resumable = f"error: {type(exc).__name__}: {exc}", leaves_resumable(exc)
+            reason, resumable = end_reason(exc), leaves_resumable(exc)
             raise
         finally:
             self.close()

@@ -196,7 +196,7 @@ def open_run(run_dir: Path, records: list[Record], vllm_version: str | None, loc
     """The run's setup again, from its first record: same branch, model and vLLM, in its checkout (a pack's
     branch brought into this host's checkout first)."""
     started: RunStarted = records[0].event
-    task = parse_task(started.task, f"{run_dir / 'trace.jsonl'} (run_started.task)")
+    task = in_this_project(parse_task(started.task, f"{run_dir / 'trace.jsonl'} (run_started.task)"))
     linked = vllm_version is None
     version = installed_vllm()[1] if linked else vllm_version
     if version != started.vllm_version:
@@ -213,6 +213,31 @@ def open_run(run_dir: Path, records: list[Record], vllm_version: str | None, loc
                     trace=None, workspace=workspace, base_commit=started.base_commit, vllm_version=version,
                     torch_version=_version("torch"), linked=linked, cache_seed=seed, lock=lock,
                     relaxed=of_run(started))
+
+
+PROJECT = Path(__file__).resolve().parent.parent
+
+
+def here(recorded: Path, project: Path = PROJECT) -> Path:
+    """A path the run recorded, on this host: itself where it exists, else the same path within this
+    project (the task's model config and patch folder live in the project, which another host may hold
+    elsewhere: /old/place/tasks/models/x/config.json is looked for at PROJECT/tasks/models/x/config.json).
+    What it names is checked after (the model by its weights' sha256)."""
+    if recorded.exists():
+        return recorded
+    for i in range(1, len(recorded.parts)):
+        candidate = project.joinpath(*recorded.parts[i:])
+        if candidate.exists():
+            return candidate
+    return recorded
+
+
+def in_this_project(task):
+    if task.model.synthetic:
+        task.model.synthetic.config = here(task.model.synthetic.config)
+    if getattr(task.proposer, "patches", None) is not None:
+        task.proposer.patches = here(task.proposer.patches)
+    return task
 
 
 def refuse_unless_resumable(run_dir: Path, records: list[Record]):

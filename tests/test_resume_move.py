@@ -180,7 +180,7 @@ def test_a_run_told_to_stop_with_sigterm_stops_resumable_and_moves(task_file, fa
     proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM
     last = read_trace(trace)[-1].event
-    assert last.kind == "run_finished" and last.resumable and "SystemExit" in last.reason
+    assert last.kind == "run_finished" and last.resumable and last.reason == "stopped by SIGTERM"
     assert not list((runs / "termed").glob("servers/*/pid"))  # it stopped its own servers
     assert cli("pack", str(runs / "termed"), str(tmp_path / "run.tgz")).returncode == 0
     resumed = harness("resume", str(tmp_path / "run.tgz"), str(host_b / "runs"),
@@ -192,3 +192,23 @@ def test_a_run_told_to_stop_with_sigterm_stops_resumable_and_moves(task_file, fa
         str(host_b))
     assert events[-1].reason == "budget: candidates" and not events[-1].resumable
     assert sorted(e.candidate for e in events if e.kind == "decision") == [1, 2, 3]
+
+
+def test_recorded_project_paths_are_found_in_this_project(tmp_path):
+    """A run records its task's model config and patch folder as absolute paths of the project it ran from;
+    on a host that holds the project elsewhere, the resumed run finds them at the same place within this one.
+    A recorded path that exists is taken as it is, and one found nowhere is left for the check that names it."""
+    from agent.resume import here
+
+    project = tmp_path / "here" / "nightshift"
+    (project / "tasks" / "models" / "m").mkdir(parents=True)
+    (project / "tasks" / "models" / "m" / "config.json").write_text("{}")
+    (project / "queue").mkdir()
+    gone = Path("/gone/elsewhere/repo")
+    assert here(gone / "tasks" / "models" / "m" / "config.json", project) == project / "tasks/models/m/config.json"
+    assert here(gone / "queue", project) == project / "queue"
+    assert here(gone / "nothing" / "like" / "it", project) == gone / "nothing" / "like" / "it"
+    existing = tmp_path / "old" / "tasks" / "models" / "m"
+    existing.mkdir(parents=True)
+    (existing / "config.json").write_text("{}")
+    assert here(existing / "config.json", project) == existing / "config.json"
