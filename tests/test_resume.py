@@ -255,6 +255,7 @@ def test_resume_refuses_a_finished_tampered_moved_or_running_run(task_file, unin
     check_finished(run_dir, uninterrupted[1])
 
 
+@pytest.mark.slow  # a whole uninterrupted run first, then the refused resume: about 50 s
 def test_a_resume_refused_at_its_start_leaves_the_run_resumable(task_file, uninterrupted, tmp_path):
     """A resumed start that a check refuses (here a baseline server that fails to start) stops the run, but does
     not end it: it says it can go on, `status` says it stopped, and the next resume goes on with the budget left.
