@@ -136,6 +136,7 @@ def audits_of(setup) -> dict[int, object]:
 
 
 @pytest.mark.serial  # its keeps are measured speed
+@pytest.mark.slow  # one noisy fake run of several candidates, 40-80 s a test
 def test_honest_candidates_with_the_machines_noise_are_never_rejected_at_the_audit(noisy_run):
     """Six honest candidates (faster or not) whose servers flip near-ties as the baseline's do, at the CPU's and
     the H200's rates: none is rejected at the audit, and the run starts though its A/A is not exact."""
@@ -160,6 +161,7 @@ def test_honest_candidates_with_the_machines_noise_are_never_rejected_at_the_aud
 
 
 @pytest.mark.serial  # its keeps are measured speed
+@pytest.mark.slow  # one noisy fake run of several candidates, 40-80 s a test
 def test_candidates_that_would_fool_a_fixed_tolerance_are_rejected(noisy_run):
     """Each stays within any sane per-token tolerance, or touches few requests, and is faster."""
     patches = dict([
@@ -188,6 +190,7 @@ def test_candidates_that_would_fool_a_fixed_tolerance_are_rejected(noisy_run):
 
 
 @pytest.mark.serial  # its keeps are measured speed
+@pytest.mark.slow  # one noisy fake run of several candidates, 40-80 s a test
 def test_replay_catches_a_tampered_deficit_at_its_record(noisy_run):
     setup, loop = noisy_run(dict([candidate(1, "exact", 0.004, "jitter", noise_rate=4 * CPU_RATE, noise_scale=0.4),
                                   candidate(2, "exact", 0.004, "honest", noise_rate=CPU_RATE)]))
