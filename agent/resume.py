@@ -33,7 +33,7 @@ from agent.relaxed import of_run
 from agent.proposers import Proposer, make_proposer
 from agent.proposers.base import Attempt
 from agent.setup import RunSetup, _version, lock_run
-from agent.task import parse_task
+from agent.task import map_project_paths, parse_task
 from agent.reaping import reap_workers
 from agent.workspace import Workspace
 from sandbox import make_sandbox
@@ -196,7 +196,7 @@ def open_run(run_dir: Path, records: list[Record], vllm_version: str | None, loc
     """The run's setup again, from its first record: same branch, model and vLLM, in its checkout (a pack's
     branch brought into this host's checkout first)."""
     started: RunStarted = records[0].event
-    task = in_this_project(parse_task(started.task, f"{run_dir / 'trace.jsonl'} (run_started.task)"))
+    task = map_project_paths(parse_task(started.task, f"{run_dir / 'trace.jsonl'} (run_started.task)"), here)
     linked = vllm_version is None
     version = installed_vllm()[1] if linked else vllm_version
     if version != started.vllm_version:
@@ -230,14 +230,6 @@ def here(recorded: Path, project: Path = PROJECT) -> Path:
         if candidate.exists():
             return candidate
     return recorded
-
-
-def in_this_project(task):
-    if task.model.synthetic:
-        task.model.synthetic.config = here(task.model.synthetic.config)
-    if getattr(task.proposer, "patches", None) is not None:
-        task.proposer.patches = here(task.proposer.patches)
-    return task
 
 
 def refuse_unless_resumable(run_dir: Path, records: list[Record]):

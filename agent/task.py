@@ -311,17 +311,23 @@ class TaskError(NightshiftError, ValueError):
     stage = "task"
 
 
+def map_project_paths(task: Task, where) -> Task:
+    """`where` applied to the paths a task names within the project: its synthetic model's config and its
+    queue's patch folder."""
+    if task.model.synthetic:
+        task.model.synthetic.config = where(task.model.synthetic.config)
+    if isinstance(task.proposer, QueueProposer):
+        task.proposer.patches = where(task.proposer.patches)
+    return task
+
+
 def _resolve_paths(task: Task, base: Path) -> Task:
     def rel(p: Path | None) -> Path | None:
         return p if p is None or p.is_absolute() else (base / p).resolve()
 
     task.target.checkout = rel(task.target.checkout)
     task.model.path = rel(task.model.path)
-    if task.model.synthetic:
-        task.model.synthetic.config = rel(task.model.synthetic.config)
-    if isinstance(task.proposer, QueueProposer):
-        task.proposer.patches = rel(task.proposer.patches)
-    return task
+    return map_project_paths(task, rel)
 
 
 def parse_task(data: Any, source: str = "<task>", base: Path | None = None) -> Task:

@@ -1,6 +1,8 @@
 """The one error type a user can cause: it names the stage or the cause, and the CLI prints it as one line."""
 from __future__ import annotations
 
+import signal
+
 
 class NightshiftError(Exception):
     """Bad input or a broken environment, never a bug: `nightshift` prints it as one red line and exits 2.
@@ -25,8 +27,6 @@ def end_reason(exc: BaseException) -> str:
     """The `run_finished` reason for a run that `exc` ended: a signal (agent.cli turns SIGTERM into
     SystemExit(128 + 15)) and Ctrl-C read as stops, anything else as an error."""
     if isinstance(exc, SystemExit) and isinstance(exc.code, int) and exc.code > 128:
-        import signal
-
         try:
             name = signal.Signals(exc.code - 128).name
         except ValueError:
