@@ -256,7 +256,7 @@ def cell_verdict(cell: dict, min_speedup: float) -> int:
 
 def grid_figure(verify: dict) -> go.Figure:
     g = verify["grid"]
-    min_speedup = verify.get("min_speedup", 1.0)
+    min_speedup = verify.get("min_speedup", Acceptance().min_speedup)  # the task default, as everywhere
     steps = len(VERDICTS)
     scale = [[edge / steps, color] for i, (_, color) in enumerate(VERDICTS) for edge in (i, i + 1)]
     cells = {(c["input_len"], c["output_len"], c["concurrency"]): c for c in verify["cells"]}
