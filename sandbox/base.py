@@ -6,6 +6,7 @@ clock, the prompts and the reference outputs stay on the harness side.
 from __future__ import annotations
 
 import functools
+import os
 import re
 import ssl
 import threading
@@ -190,6 +191,26 @@ def wait_healthy(server: Server, timeout_s: float, cancel: threading.Event | Non
 def clean_env(env: Mapping[str, str]) -> dict[str, str]:
     """The environment minus anything that looks like a secret."""
     return {k: v for k, v in env.items() if not any(m in k.upper() for m in SECRET_MARKERS)}
+
+
+def runtime_env(home: str, tree: str, recorder: str, import_log: str, pythonpath: list[str] = (),
+                tmp: str | None = None, user: str | None = None, write_bytecode: bool = False) -> dict[str, str]:
+    """The variables every backend gives a server, with one cache layout under its HOME: vLLM, Hugging Face and
+    inductor under cache/, Triton under .triton/ (what the backends' compile-cache seeding copies), offline,
+    unbuffered, and the import recorder (recorder and tree first on PYTHONPATH)."""
+    env = {
+        "HOME": home, "TMPDIR": tmp or home, "XDG_CACHE_HOME": f"{home}/cache", "VLLM_CACHE_ROOT": f"{home}/cache/vllm",
+        "HF_HOME": f"{home}/cache/huggingface", "TORCHINDUCTOR_CACHE_DIR": f"{home}/cache/torchinductor",
+        "TRITON_CACHE_DIR": f"{home}/.triton/cache",
+        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([recorder, tree, *pythonpath]), "PYTHONUNBUFFERED": "1",
+        "NIGHTSHIFT_IMPORT_LOG": import_log, "NIGHTSHIFT_SOURCE_TREE": tree,
+    }
+    if user:
+        env.update(USER=user, LOGNAME=user)
+    if not write_bytecode:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
 
 
 def build_env(host_env: Mapping[str, str], passed: tuple[str, ...], prefixes: tuple[str, ...],

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 
-from sandbox.base import ServerSpec, build_env, serve_argv
+from sandbox.base import ServerSpec, build_env, runtime_env, serve_argv
 
 TREE, MODEL, RECORDER, IO = "/sandbox/tree", "/sandbox/model", "/sandbox/recorder", "/sandbox/io"
 SCRATCH = "/tmp"
@@ -33,15 +33,8 @@ def container_name(run: str, candidate: str) -> str:
 
 
 def container_env(spec: ServerSpec, host_env: Mapping[str, str]) -> dict[str, str]:
-    return build_env(host_env, PASSED_HOST_ENV, PASSED_HOST_PREFIXES, {
-        "HOME": SCRATCH, "TMPDIR": SCRATCH, "USER": "nightshift", "LOGNAME": "nightshift",
-        "XDG_CACHE_HOME": f"{SCRATCH}/.cache", "VLLM_CACHE_ROOT": f"{SCRATCH}/.cache/vllm",
-        "HF_HOME": f"{SCRATCH}/.cache/huggingface", "TORCHINDUCTOR_CACHE_DIR": f"{SCRATCH}/.cache/inductor",
-        "TRITON_CACHE_DIR": f"{SCRATCH}/.cache/triton",
-        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-        "PYTHONPATH": f"{RECORDER}:{TREE}", "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1",
-        "NIGHTSHIFT_IMPORT_LOG": f"{IO}/{IMPORT_LOG_NAME}", "NIGHTSHIFT_SOURCE_TREE": TREE,
-    }, spec)
+    return build_env(host_env, PASSED_HOST_ENV, PASSED_HOST_PREFIXES,
+                     runtime_env(SCRATCH, TREE, RECORDER, f"{IO}/{IMPORT_LOG_NAME}", user="nightshift"), spec)
 
 
 def container_command(spec: ServerSpec) -> list[str]:

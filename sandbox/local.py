@@ -13,7 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from sandbox.base import Endpoint, Outcome, Reachable, ServerSpec, build_env, read_imports, serve_argv, wait_healthy
+from sandbox.base import (Endpoint, Outcome, Reachable, ServerSpec, build_env, read_imports, runtime_env, serve_argv,
+                          wait_healthy)
 from sandbox.config import SandboxConfig
 from sandbox.host import marked_processes, owner_alive, process_identity, running, same_boot, server_marks, stat_fields
 
@@ -34,14 +35,8 @@ def free_port() -> int:
 
 def server_env(spec: ServerSpec, home: Path, import_log: Path, source_tree: Path, tmp: Path | None = None) -> dict[str, str]:
     inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    fixed = {
-        "HOME": str(home), "TMPDIR": str(tmp or home), "XDG_CACHE_HOME": str(home / "cache"),
-        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join([str(RECORDER), str(source_tree), *inherited]),
-        "TORCHINDUCTOR_CACHE_DIR": str(home / "cache" / "torchinductor"),
-        "NIGHTSHIFT_IMPORT_LOG": str(import_log), "NIGHTSHIFT_SOURCE_TREE": str(source_tree),
-        "PYTHONUNBUFFERED": "1", **server_marks(home),
-    }
+    fixed = {**runtime_env(str(home), str(source_tree), str(RECORDER), str(import_log), inherited,
+                           tmp=str(tmp or home), write_bytecode=True), **server_marks(home)}
     if spec.gpus:
         fixed["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
     return build_env(os.environ, PASSED_ENV, PASSED_PREFIXES, fixed, spec)

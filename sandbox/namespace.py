@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 from sandbox import cgroups
-from sandbox.base import Endpoint, Outcome, Reachable, SandboxError, ServerSpec, build_env, read_imports, serve_argv, wait_healthy
+from sandbox.base import (Endpoint, Outcome, Reachable, SandboxError, ServerSpec, build_env, read_imports, runtime_env,
+                          serve_argv, wait_healthy)
 from sandbox.config import SandboxConfig
 from sandbox.docker_spec import check_not_exposed, slug
 from sandbox.host import open_for_reading, owner_alive, process_identity, start_time
@@ -425,13 +426,7 @@ def sandbox_env(spec: ServerSpec, gpus: list[int]) -> dict[str, str]:
     inherited = [str(p) for p in import_path() if not p.is_relative_to("/usr")]
     fixed = {
         "PATH": os.pathsep.join([str(Path(os.path.realpath(sys.executable)).parent), "/usr/local/bin", "/usr/bin", "/bin"]),
-        "HOME": SCRATCH, "TMPDIR": SCRATCH, "USER": "nightshift", "LOGNAME": "nightshift",
-        "XDG_CACHE_HOME": f"{SCRATCH}/cache", "TORCHINDUCTOR_CACHE_DIR": f"{SCRATCH}/cache/torchinductor",
-        "TRITON_CACHE_DIR": f"{SCRATCH}/.triton/cache", "HF_HOME": f"{SCRATCH}/cache/huggingface",
-        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join([RECORDER_AT, TREE, *inherited]), "PYTHONUNBUFFERED": "1",
-        "PYTHONDONTWRITEBYTECODE": "1",
-        "NIGHTSHIFT_IMPORT_LOG": f"{IO}/{IMPORT_LOG_NAME}", "NIGHTSHIFT_SOURCE_TREE": TREE,
+        **runtime_env(SCRATCH, TREE, RECORDER_AT, f"{IO}/{IMPORT_LOG_NAME}", inherited, user="nightshift"),
     }
     if gpus:
         fixed["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
