@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.serve_args import split_args
+from sandbox.base import split_serve_args
 from agent.task import Task
 from sandbox.base import Sandbox, SandboxError, Server, ServerSpec
 
@@ -71,7 +71,7 @@ class ServerPool:
         env = {**engine.env, **(parity.env if request.parity else {})}
         args = {"dtype": self.task.model.dtype, "max_model_len": self.task.model.max_model_len, **request.args,
                 **(parity.args if request.parity else {})}
-        args, lever_env = split_args(args)
+        args, lever_env = split_serve_args(args)
         env = {**env, **lever_env}
         seed = self.cache_seed if self.cache_seed is not None and self.cache_seed.is_dir() else None
         return ServerSpec(name=request.name, labels={"nightshift.run": self.run_id, "nightshift.candidate": request.name},

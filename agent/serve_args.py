@@ -1,7 +1,8 @@
 """Serving levers beyond plain flags: `env.NAME` keys are environment variables of the server, and dotted keys
 (`compilation_config.cudagraph_mode`) are fields of one JSON-valued flag (`--compilation-config '{...}'`).
 Every lever a task names is checked against the installed vLLM's `vllm serve --help=all`, its environment
-variables and its config fields before a run starts."""
+variables and its config fields before a run starts. How they become a server's command line and environment is
+sandbox.base (`split_serve_args`, `serve_argv`)."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -13,35 +14,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from sandbox.base import ENV
 from traces.errors import NightshiftError
 
-ENV = "env."
 
 
 class UnknownLever(NightshiftError):
     stage = "preflight"
-
-
-def split_args(args: dict) -> tuple[dict, dict[str, str]]:
-    """(`vllm serve` engine args, environment variables) for a server's args."""
-    cli, env, nested = {}, {}, {}
-    for key, value in args.items():
-        if key.startswith(ENV):
-            if value is not None:
-                env[key[len(ENV):]] = ("1" if value else "0") if isinstance(value, bool) else str(value)
-        elif "." in key:
-            if value is not None:
-                top, *path = key.split(".")
-                node = nested.setdefault(top, {})
-                for part in path[:-1]:
-                    node = node.setdefault(part, {})
-                node[path[-1]] = value
-        else:
-            cli[key] = value
-    for top, values in nested.items():
-        base = cli.get(top)
-        cli[top] = json.dumps({**(json.loads(base) if isinstance(base, str) else base or {}), **values}, sort_keys=True)
-    return cli, env
 
 
 def help_flags(text: str) -> set[str]:

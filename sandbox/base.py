@@ -6,6 +6,7 @@ clock, the prompts and the reference outputs stay on the harness side.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import ssl
@@ -219,6 +220,32 @@ def build_env(host_env: Mapping[str, str], passed: tuple[str, ...], prefixes: tu
     `prefixes`, then `fixed`, then the spec's own; never a variable that looks like a secret."""
     inherited = clean_env({k: v for k, v in host_env.items() if k in passed or k.startswith(prefixes)})
     return {**inherited, **fixed, **clean_env(spec.env)}
+
+
+ENV = "env."
+"""A serving arg named `env.NAME` is the server's environment variable NAME."""
+
+
+def split_serve_args(args: dict) -> tuple[dict, dict[str, str]]:
+    """(`vllm serve` engine args, environment variables) for a server's args."""
+    cli, env, nested = {}, {}, {}
+    for key, value in args.items():
+        if key.startswith(ENV):
+            if value is not None:
+                env[key[len(ENV):]] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+        elif "." in key:
+            if value is not None:
+                top, *path = key.split(".")
+                node = nested.setdefault(top, {})
+                for part in path[:-1]:
+                    node = node.setdefault(part, {})
+                node[path[-1]] = value
+        else:
+            cli[key] = value
+    for top, values in nested.items():
+        base = cli.get(top)
+        cli[top] = json.dumps({**(json.loads(base) if isinstance(base, str) else base or {}), **values}, sort_keys=True)
+    return cli, env
 
 
 def serve_argv(spec: ServerSpec) -> list[str]:

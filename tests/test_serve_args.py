@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.serve_args import UnknownLever, check_levers, help_flags, levers, split_args, unknown_levers
+from agent.serve_args import UnknownLever, check_levers, help_flags, levers, unknown_levers
+from sandbox.base import split_serve_args as split_args
 from agent.task import load_task
 from sandbox.base import serve_argv
 from tests.conftest import has_vllm
