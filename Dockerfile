@@ -1,7 +1,7 @@
 # The image that evaluates nightshift candidates (see docs/sandbox.md).
 #
 # BASE_IMAGE must hold the target vLLM with its compiled parts at the same absolute path as on
-# the harness's host, because candidate trees link those parts by absolute path (agent/build.py):
+# the harness's host, because candidate trees link those parts by absolute path (agent/stages/build.py):
 #   CPU: nightshift-base:cpu, built locally by scripts/docker-base.sh (this machine's Python, same prefix)
 #   GPU: vllm/vllm-openai:v<version>, with HOST_SITE_PACKAGES set to the host's site-packages
 #        folder that holds vllm/ when it differs from the image's (a link is made there).

@@ -1,4 +1,4 @@
-"""Collect the honest audit sides of a noise study (or any run) into a data file for agent/audit_study.py.
+"""Collect the honest audit sides of a noise study (or any run) into a data file for agent/studies/audit_study.py.
 
     python3 benchmarks/audit_sides.py runs/noise-<id> tests/data/audit-vllm-cpu-amx.json
 

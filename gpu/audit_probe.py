@@ -18,10 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.checkpoint import prepare_model  # noqa: E402
-from agent.requests import complete_all, draw_prompts  # noqa: E402
-from agent.task import load_task  # noqa: E402
-from agent.token_audit import Output, deficits_of, score_all  # noqa: E402
+from agent.world.checkpoint import prepare_model  # noqa: E402
+from agent.stages.completions import complete_all, draw_prompts  # noqa: E402
+from agent.world.task import load_task  # noqa: E402
+from agent.stages.token_audit import Output, deficits_of, score_all  # noqa: E402
 from sandbox.base import Endpoint, serve_argv  # noqa: E402
 from sandbox.base import ServerSpec  # noqa: E402
 

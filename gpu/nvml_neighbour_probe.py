@@ -1,4 +1,4 @@
-"""The pass monitor's neighbour check (agent/gpu_state.py) against real NVML: a process that kept the GPU
+"""The pass monitor's neighbour check (agent/world/gpu_state.py) against real NVML: a process that kept the GPU
 busy only before a pass must not count, one busy during the pass must. Each case runs with the monitor as
 it is and with NVML's buffered samples not skipped (as before 2026-12-02).
 
@@ -40,7 +40,7 @@ def neighbour(ctx, seconds: float, idle_after: bool = False):
 
 
 def measure(skip_buffered: bool, pass_s: float = 3.0, grace_s: float = 1.5) -> float | None:
-    from agent.gpu_state import GpuMonitor
+    from agent.world.gpu_state import GpuMonitor
 
     monitor = GpuMonitor([0], own_pids={os.getpid()}, interval_s=0.25, grace_s=grace_s)
     if not skip_buffered:

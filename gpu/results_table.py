@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Turn a result folder of the baseline measurements (benchmarks/README.md) into
-benchmarks/results/h200-gemma4-e2b.json, with roofline fractions from agent/roofline.py.
+benchmarks/results/h200-gemma4-e2b.json, with roofline fractions from gpu/roofline.py.
 
     python3 gpu/results_table.py RES_DIR [--config tasks/models/gemma-4-e2b/config.json] [--out benchmarks/results]
         [--gpu-seconds S]
@@ -13,7 +13,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from agent import roofline as rl  # noqa: E402
+import roofline as rl  # noqa: E402
 
 
 def load(d, f):

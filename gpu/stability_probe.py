@@ -6,7 +6,7 @@ same prompts; a stable network disagrees only at near-ties, a chaotic one everyw
         --knobs final,post,qk,sigma [--knobs ...]
 
 Each knob point (final_norm_scale, post_norm_scale, qk_norm_scale, embedding_norm_sigma; see
-agent/checkpoint.py) prints the top-1 agreement, the deficit of one kernel's top-1 under the other
+agent/world/checkpoint.py) prints the top-1 agreement, the deficit of one kernel's top-1 under the other
 (median, max), the median top-1/top-2 margin, and unique tokens per 32 of free-running greedy output.
 Runs on a CPU (2.2B parameters at vocab 32768 fit in a few GB; the full E2B vocab needs about 10 GB).
 """

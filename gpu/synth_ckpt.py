@@ -4,7 +4,7 @@
     python3 gpu/synth_ckpt.py MODEL_DIR OUT_DIR [--seed 0] [--emb-sigma 0.5]
         [--norm-scale 2.0] [--grid] [--report OUT.json]
 
-Recipe (same idea as agent/checkpoint.py, self-contained: it needs only torch and transformers):
+Recipe (same idea as agent/world/checkpoint.py, self-contained: it needs only torch and transformers):
   1. transformers AutoModelForCausalLM.from_config(config) under torch.manual_seed(seed), bf16.
   2. Margin calibration, two documented knobs (both deterministic from the seed):
      - emb_sigma s: each row i of the (tied) token embedding is multiplied by

@@ -61,7 +61,7 @@ class ServerSpec(BaseModel):
     name: str
     labels: dict[str, str] = Field(default_factory=dict)
     source_tree: Path
-    """A vLLM source tree whose compiled parts are linked in (see agent.build); put first on PYTHONPATH."""
+    """A vLLM source tree whose compiled parts are linked in (see agent.stages.build); put first on PYTHONPATH."""
     model_dir: Path
     served_model_name: str = "model"
     engine_args: dict[str, Any] = Field(default_factory=dict)

@@ -1,7 +1,7 @@
 """The container a candidate runs in, as keyword arguments for `docker.containers.create`.
 
 A pure function of the candidate's spec and the task's sandbox settings, so that the GPU variant
-can be checked without an engine (tests/test_docker_spec.py). What goes in: the candidate tree,
+can be checked without an engine (tests/sandbox/test_docker_spec.py). What goes in: the candidate tree,
 the model and the import recorder, all read-only; a Unix-socket folder read-write; a tmpfs with
 a size cap for HOME, TMPDIR and caches. What never goes in: the run folder (reference outputs,
 trace), and any variable that looks like a secret.

@@ -1,7 +1,7 @@
 """What of this machine's Python goes into the CPU sandbox image.
 
 The candidate tree links vLLM's compiled parts by their absolute paths in this Python's
-site-packages (see agent.build), so the image holds this Python at the same prefix: the
+site-packages (see agent.stages.build), so the image holds this Python at the same prefix: the
 interpreter, its standard library, and the installed files of vLLM and of every distribution it
 requires (its requirement closure, read from the installed metadata; nothing is downloaded). In a
 virtual environment, the base interpreter's prefix comes along too.

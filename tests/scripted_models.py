@@ -23,7 +23,7 @@ def numbered(script: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def sampler_expert() -> list[dict[str, Any]]:
-    """The toy checkout of tests/test_llm_proposer.py: list, grep, read, a propose whose SEARCH is mis-copied (the
+    """The toy checkout of tests/proposers/test_llm_proposer.py: list, grep, read, a propose whose SEARCH is mis-copied (the
     harness answers `apply: FAILED`), then the fix as a whole-function replacement."""
     return numbered([
         turn(call("list_dir", path="vllm/v1/sample")),

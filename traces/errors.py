@@ -24,7 +24,7 @@ def leaves_resumable(exc: BaseException) -> bool:
 
 
 def end_reason(exc: BaseException) -> str:
-    """The `run_finished` reason for a run that `exc` ended: a signal (agent.cli turns SIGTERM into
+    """The `run_finished` reason for a run that `exc` ended: a signal (agent.face.cli turns SIGTERM into
     SystemExit(128 + 15)) and Ctrl-C read as stops, anything else as an error."""
     if isinstance(exc, SystemExit) and isinstance(exc.code, int) and exc.code > 128:
         try:

@@ -45,7 +45,7 @@ class RunStarted(Event):
     cache: str = ""
     """Where the run started (its NIGHTSHIFT_CACHE): a resumed run that moved records the way from here."""
     relaxed: list[dict[str, Any]] | None = None
-    """The checks the task loosens (agent/relaxed.py): each setting, its value, its default and the task file's."""
+    """The checks the task loosens (agent/run/relaxed.py): each setting, its value, its default and the task file's."""
 
 
 class SelfParity(Event):
@@ -111,7 +111,7 @@ class ParityReport(Event):
 
 
 class GpuPass(BaseModel):
-    """NVML readings over one pass, per GPU the server uses (agent/gpu_state.py)."""
+    """NVML readings over one pass, per GPU the server uses (agent/world/gpu_state.py)."""
 
     gpus: list[int]
     readings: int
@@ -148,7 +148,7 @@ class Sample(BaseModel):
     """sha256 of the pass's prompts and returned token ids (kept under outputs/ in the run folder)."""
     steady_seconds: float | None = None
     """The steady-state window: from the first moment the target concurrency was in flight to the moment
-    in-flight fell below it at the drain (agent/load.py)."""
+    in-flight fell below it at the drain (agent/stages/load.py)."""
     steady_total_tokens_per_s: float | None = None
     steady_output_tokens_per_s: float | None = None
     gpu: GpuPass | None = None
@@ -216,7 +216,7 @@ class BenchReport(Event):
     confirmation: int = 0
     """0: the first benchmark; k: the k-th independent confirmation of a candidate that passed."""
     sequential: Sequential | None = None
-    """The stopping rule's looks (agent/stats.py); absent in traces written before it existed."""
+    """The stopping rule's looks (agent/stages/stats.py); absent in traces written before it existed."""
 
 
 class Violation(BaseModel):
@@ -257,7 +257,7 @@ class AuditSide(BaseModel):
 
 
 class AuditVerdict(BaseModel):
-    """The audit rule's decision for one candidate benchmark (agent/token_audit.py `judge`): a hard bound on any
+    """The audit rule's decision for one candidate benchmark (agent/stages/token_audit.py `judge`): a hard bound on any
     position, then the candidate's rate of non-top-1 tokens against the honest rate measured beside it."""
 
     passed: bool
@@ -283,7 +283,7 @@ class AuditVerdict(BaseModel):
 
 
 class TokenAudit(Event):
-    """The benchmark's own outputs, scored teacher-forced on the trusted reference (agent/token_audit.py).
+    """The benchmark's own outputs, scored teacher-forced on the trusted reference (agent/stages/token_audit.py).
     With `calibration`, the baseline's outputs under the benchmark load (the A/A that calibrates the tolerance)."""
 
     kind: Literal["audit"] = "audit"
@@ -386,7 +386,7 @@ class ProposalInvalid(Event):
 
 class NoiseFloor(Event):
     """The A/A before the first candidate: the baseline's production server against an independently started
-    copy of itself, interleaved as a candidate would be (agent/noise.py)."""
+    copy of itself, interleaved as a candidate would be (agent/stages/noise.py)."""
 
     kind: Literal["noise_floor"] = "noise_floor"
     candidate: int = 0
@@ -433,7 +433,7 @@ class Moved(BaseModel):
 
 
 class Resumed(Event):
-    """The run continues after its harness was killed (`nightshift run --resume`, agent/resume.py): where the
+    """The run continues after its harness was killed (`nightshift run --resume`, agent/run/resume.py): where the
     trace stood, what a torn last line held (cut off), and what comes next. The baseline phase follows again,
     unless the budget was spent before the kill (`finishing`): then the run only records its end."""
 
@@ -467,7 +467,7 @@ class Resumed(Event):
 
 class Remeasured(Event):
     """A parallel run's candidate measured against an incumbent that is no longer the branch head: its evidence
-    is void, and it is evaluated again on the new head (agent/parallel.py)."""
+    is void, and it is evaluated again on the new head (agent/run/parallel.py)."""
     kind: Literal["remeasured"] = "remeasured"
     candidate: int
     measured_against: str

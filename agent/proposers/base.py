@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Protocol
 
-from agent.task import Task
+from agent.world.task import Task
 from traces.schema import AnyEvent, Decision, Proposal, Record
 
 
@@ -52,5 +52,5 @@ class Proposer(Protocol):
         """Learn from how the last proposal ended."""
 
     def restore(self, records: list[Record]) -> None:
-        """A resumed run (agent/resume.py): take up this proposer's state from the run's trace so far, without
+        """A resumed run (agent/run/resume.py): take up this proposer's state from the run's trace so far, without
         proposing again; a proposal with no decision yet is evaluated again, and then observed."""

@@ -36,7 +36,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from agent.surface import surface_allows
+from agent.stages.surface import surface_allows
 
 # Markers are matched leniently (small models drop some of the angle brackets, or all of
 # them); the SEARCH text itself is matched exactly.

@@ -8,7 +8,7 @@ from pathlib import Path
 import optuna
 
 from agent.proposers.base import Attempt, ProposalContext, ProposerExhausted
-from agent.task import FlagsProposer as FlagsConfig
+from agent.world.task import FlagsProposer as FlagsConfig
 from traces.schema import Commit, Decision, Proposal, Record
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -35,7 +35,7 @@ from pathlib import Path
 from string import Template
 from typing import Any, Callable
 
-from agent.models import (
+from agent.proposers.clients import (
     Completion, LlmError, LlmFatalError, LlmRequestError, Messages, Model, OpenAIModel, Price, Redactor,
     ReplayExhausted,
     complete_with_retries, estimate_tokens, messages_tokens,
@@ -44,9 +44,9 @@ from agent.proposers import notebook, tools
 from agent.proposers.base import Attempt, ProposalContext, ProposerExhausted
 from agent.proposers.edits import EditError, Patch, make_patch
 from agent.proposers.funnel import Funnel, llm_funnel
-from agent.surface import surface_allows
-from agent.task import LlmProposer as LlmSpec
-from agent.task import Task
+from agent.stages.surface import surface_allows
+from agent.world.task import LlmProposer as LlmSpec
+from agent.world.task import Task
 from traces.schema import AnyEvent, Decision, LlmCall, NotebookEntry, Proposal, ProposalInvalid, Record, ToolCall
 
 EXCERPT_LINES = 160
@@ -489,7 +489,7 @@ class LlmProposer:
             if self._profile_loader is not None:
                 self.profile = self._profile_loader(self.task)
             else:
-                from agent.profile import load_or_run
+                from agent.studies.profile import load_or_run
 
                 self.profile = load_or_run(self.task)
         except Exception as exc:  # a missing profile makes the prompt poorer, not the run impossible

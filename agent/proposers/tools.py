@@ -262,7 +262,7 @@ def check(edits: list[Edit], checkout: Path, include: list[str], exclude: list[s
           ) -> tuple[list[str], Files]:
     """Every check of a proposal, in order, each answered on one line of `report`: the problems found, and the
     changed files {path: (old, new)}."""
-    from agent.surface import surface_allows
+    from agent.stages.surface import surface_allows
 
     problems: list[str] = []
     files: Files = {}

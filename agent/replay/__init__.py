@@ -1,0 +1,1 @@
+"""Replay: re-derive every recorded decision from the trace and check the branch against it."""

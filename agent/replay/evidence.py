@@ -1,0 +1,169 @@
+"""Replay's second half: every recorded keep/discard must follow from its recorded evidence.
+
+The speedup and interval are recomputed from the benchmark's samples with the task's acceptance
+rule; a token audit's verdict is recomputed from its recorded deficits by the audit rule (its counts must
+agree with those deficits, and the control and A/A it was compared with are the ones in the trace); where the task sets
+benchmark.max_idle_cpu, a benchmark counts only if the candidate's server did not work while the
+incumbent was measured. A decision that does not follow names its record."""
+from __future__ import annotations
+
+import math
+
+from agent.stages.stats import accepts, estimate_speedup, idle_work, order_signs, plan_looks, sequential_estimate
+from agent.world.task import Acceptance, Audit, Benchmark
+from agent.stages.token_audit import EPSILON_NATS, audit_passed, calibration_refusal, judge
+from traces import TraceError
+from traces.schema import BenchReport, Decision, Record, Remeasured, Resumed, RunStarted, TokenAudit
+
+TOLERANCE = 1e-9
+
+
+def _close(a: float | None, b: float) -> bool:
+    return a is not None and math.isclose(a, b, rel_tol=TOLERANCE, abs_tol=TOLERANCE)
+
+
+def check_decisions(records: list[Record]) -> int:
+    """Re-derives each decision at the benchmark, audit and decision stages; returns how many were checked."""
+    started: RunStarted = records[0].event
+    acceptance = Acceptance.model_validate(started.task.get("acceptance", {}))
+    b = Benchmark.model_validate(started.task.get("benchmark", {}))
+    planned = plan_looks(b.repetitions, b.max_repetitions, b.look_every)
+    audited = bool(started.task.get("audit", {}).get("enabled", False))
+    rule = Audit.model_validate(started.task.get("audit", {}))
+    calibrations: dict[int, TokenAudit] = {}
+    reports: dict[tuple[int, int], BenchReport] = {}
+    audits: dict[tuple[int, int], TokenAudit] = {}
+    checked = 0
+    for record in records:
+        event, line = record.event, record.seq + 1
+        if isinstance(event, BenchReport):
+            reports[event.candidate, event.confirmation] = event
+            _check_report(event, acceptance, line, planned)
+            busy = idle_work(event.samples, b.max_idle_cpu)
+            if busy:
+                raise TraceError(line, f"benchmark of candidate {event.candidate} counted, though {busy}")
+        elif isinstance(event, TokenAudit):
+            _check_audit(event, line, rule, acceptance, calibrations)
+            if event.calibration:
+                calibrations[event.sample_seed] = event
+            else:
+                audits[event.candidate, event.confirmation] = event
+        elif isinstance(event, (Resumed, Remeasured)):  # evaluated again: the candidates' old evidence is void
+            void = {event.candidate, *getattr(event, "in_flight", [])}
+            reports = {key: r for key, r in reports.items() if key[0] not in void}
+            audits = {key: a for key, a in audits.items() if key[0] not in void}
+        elif isinstance(event, Decision) and event.stage in ("audit", "decision") and event.verdict != "timeout":
+            _check_decision(event, line, reports, audits, acceptance, audited)
+            checked += 1
+    return checked
+
+
+def _check_audit(event: TokenAudit, line: int, rule: Audit, acceptance: Acceptance,
+                 calibrations: dict[int, TokenAudit]) -> None:
+    """A token audit's counts agree with its recorded deficits, and its verdict follows from them by the rule."""
+    where = f"audit of candidate {event.candidate}" + (" (the A/A)" if event.calibration else "")
+    side = event.side
+    if side is None:  # written before the rate rule: violations against the tolerance alone
+        if (event.violation_count == 0) != (event.deficits.max <= event.tolerance_nats):
+            raise TraceError(line, f"{where}: {event.violation_count} violations do not follow from max deficit "
+                                   f"{event.deficits.max} against tol {event.tolerance_nats}")
+        return
+    beyond = sum(v > event.tolerance_nats + EPSILON_NATS for v in side.values)
+    if not (side.non_top1 == sum(side.per_request) == len(side.values) == event.deficits.non_top1
+            and side.tokens == sum(side.request_tokens) == event.tokens
+            and math.isclose(max(side.values, default=0.0), event.deficits.max, abs_tol=1e-3)
+            and beyond == event.violation_count and _close(event.tolerance_nats, rule.hard_bound_nats)):
+        raise TraceError(line, f"{where}: its counts do not agree with its recorded deficits ({side.non_top1} not "
+                               f"top-1 in {len(side.values)} deficits and {sum(side.per_request)} per request, "
+                               f"{event.violation_count} violations for {beyond} beyond {event.tolerance_nats:g})")
+    if event.calibration:
+        return
+    if event.verdict is None:
+        raise TraceError(line, f"{where}: a candidate's audit without a verdict")
+    recorded = event.verdict
+    calibration = calibrations.get(recorded.calibration_seed) if recorded.calibration_seed is not None else None
+    if recorded.calibration_seed is not None and calibration is None:
+        raise TraceError(line, f"{where}: compared with an A/A (seed {recorded.calibration_seed}) the trace lacks")
+    if calibration is not None and (refusal := calibration_refusal(calibration, rule)):
+        raise TraceError(line, f"{where}: judged after an A/A that should have refused the run: {refusal}")
+    derived = judge(side, event.control, calibration.side if calibration else None, rule.hard_bound_nats,
+                    rule.rate_ratio, acceptance.confidence)
+    if (recorded.passed, recorded.test, recorded.reference) != (derived.passed, derived.test, derived.reference) \
+            or not (_close(recorded.rate_p_value, derived.rate_p_value)
+                    and _close(recorded.concentration_p_value, derived.concentration_p_value)):
+        raise TraceError(line, f"{where}: recorded verdict '{recorded.test}' (rate p={recorded.rate_p_value:.4g}, "
+                               f"concentration p={recorded.concentration_p_value:.4g}) does not follow from its "
+                               f"deficits and the rule: '{derived.test}' (rate p={derived.rate_p_value:.4g}, "
+                               f"concentration p={derived.concentration_p_value:.4g})")
+
+
+def _check_report(report: BenchReport, acceptance: Acceptance, line: int, planned: list[int]) -> None:
+    candidate = [getattr(s, report.metric) for s in report.samples if s.role == "candidate"]
+    incumbent = [getattr(s, report.metric) for s in report.samples if s.role == "incumbent"]
+    if report.sequential is None:  # fixed repetitions, before the stopping rule was recorded
+        estimate = estimate_speedup(candidate, incumbent, acceptance.min_speedup, acceptance.confidence)
+    else:
+        estimate = _check_sequential(report, candidate, incumbent, acceptance, line, planned)
+    if not (_close(report.speedup, estimate.speedup) and _close(report.ci_low, estimate.ci_low)
+            and _close(report.ci_high, estimate.ci_high)):
+        raise TraceError(line, f"benchmark of candidate {report.candidate}: its samples give "
+                               f"{estimate.speedup:.4f}x [{estimate.ci_low:.4f}, {estimate.ci_high:.4f}], the record "
+                               f"says {report.speedup:.4f}x [{report.ci_low:.4f}, {report.ci_high:.4f}]")
+
+
+def _check_sequential(report: BenchReport, candidate: list[float], incumbent: list[float], acceptance: Acceptance,
+                      line: int, planned: list[int]):
+    """The looks again from the samples: the planned looks and the boundaries from the spending function, each
+    statistic, and the stop at the first look that crossed a boundary, with no pair measured after it."""
+    recorded, where = report.sequential, f"benchmark of candidate {report.candidate}"
+    if recorded.planned != planned:
+        raise TraceError(line, f"{where}: planned looks {recorded.planned}, the task's benchmark plans {planned}")
+    logs = [math.log(c / i) for c, i in zip(candidate, incumbent)]
+    try:
+        estimate, derived = sequential_estimate(logs, order_signs([s.role for s in report.samples]), planned,
+                                                acceptance.confidence, acceptance.min_speedup)
+    except ValueError as exc:
+        raise TraceError(line, f"{where}: {exc}") from None
+    if recorded.spending != derived.spending or not _close(recorded.alpha, derived.alpha):
+        raise TraceError(line, f"{where}: recorded spending {recorded.spending} at alpha {recorded.alpha}, the task "
+                               f"gives {derived.spending} at alpha {derived.alpha}")
+    for got, want in zip(recorded.looks, derived.looks):
+        if got.pairs != want.pairs or not all(_close(getattr(got, f), getattr(want, f)) for f in
+                                              ("spent_alpha", "z_boundary", "boundary", "statistic")):
+            raise TraceError(line, f"{where}: look at {got.pairs} pairs does not follow from the samples and the "
+                                   f"spending function (statistic {got.statistic:.4f} vs {want.statistic:.4f}, "
+                                   f"boundary {got.boundary:.4f} vs {want.boundary:.4f})")
+    if len(recorded.looks) != len(derived.looks) or recorded.stopped != derived.stopped \
+            or derived.looks[-1].pairs != len(logs):
+        raise TraceError(line, f"{where}: stopped '{recorded.stopped}' after {len(recorded.looks)} looks and "
+                               f"{len(logs)} pairs, the rule stops '{derived.stopped}' after {len(derived.looks)} "
+                               f"looks at {derived.looks[-1].pairs} pairs")
+    return estimate
+
+
+def _check_decision(decision: Decision, line: int, reports: dict, audits: dict, acceptance: Acceptance,
+                    audited: bool) -> None:
+    n = decision.candidate
+    confirmations = sorted(k for (c, k) in reports if c == n)
+    if not confirmations:
+        raise TraceError(line, f"candidate {n} was decided at stage {decision.stage} without a benchmark")
+    last = confirmations[-1]
+    if decision.stage == "audit":
+        audit = audits.get((n, last))
+        if audit is None or audit_passed(audit):
+            raise TraceError(line, f"candidate {n} was rejected at the audit, but its audit passed or is missing")
+        return
+    report = reports[n, last]
+    if not (_close(decision.speedup, report.speedup) and _close(decision.ci_low, report.ci_low)):
+        raise TraceError(line, f"decision for candidate {n} quotes other numbers than its benchmark")
+    if (decision.verdict == "keep") != accepts(report.ci_low, acceptance.min_speedup):
+        raise TraceError(line, f"candidate {n}: verdict {decision.verdict} does not follow from the interval's low end "
+                               f"{report.ci_low:.4f} against min_speedup {acceptance.min_speedup}")
+    if decision.verdict == "keep":
+        if last != acceptance.confirmations:
+            raise TraceError(line, f"candidate {n} was kept after {last} of {acceptance.confirmations} confirmations")
+        for k in confirmations:
+            if k < last and not accepts(reports[n, k].ci_low, acceptance.min_speedup):
+                raise TraceError(line, f"candidate {n} was kept though benchmark {k} did not pass")
+            if audited and ((n, k) not in audits or not audit_passed(audits[n, k])):
+                raise TraceError(line, f"candidate {n} was kept without a passing token audit of benchmark {k}")

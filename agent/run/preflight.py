@@ -1,0 +1,113 @@
+"""Checks that run before any server starts, so a broken environment fails in seconds, not per server."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from sandbox.base import last_error_line
+from traces.errors import NightshiftError
+
+IMPORT_CHECK = """
+import importlib.util
+if importlib.util.find_spec("torchvision"):
+    import torchvision
+import vllm.entrypoints.cli.main, vllm.config
+"""
+"""What `vllm serve` imports before it reads its arguments; vllm.config pulls in transformers, which
+imports torchvision whenever it is installed."""
+TORCH_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+FIX = ("PyPI's torchvision/torchaudio/torchcodec do not load against vLLM's CPU torch: "
+       "`pip uninstall torchvision torchaudio torchcodec`, or install with scripts/install.sh")
+
+
+class PreflightError(NightshiftError):
+    stage = "preflight"
+
+
+def check_vllm_install(timeout_s: float = 300) -> None:
+    """Import what every server imports at start, in a child of this Python; raises PreflightError."""
+    from agent.world.checkout import installed_vllm
+
+    installed_vllm()
+    try:
+        with tempfile.TemporaryDirectory(prefix="nightshift-preflight-") as cwd:  # no stray vllm/ on sys.path
+            proc = subprocess.run([sys.executable, "-c", IMPORT_CHECK], capture_output=True, text=True,
+                                  timeout=timeout_s, stdin=subprocess.DEVNULL, cwd=cwd)
+    except subprocess.TimeoutExpired:
+        raise PreflightError(f"importing vLLM took longer than {timeout_s:g}s; every server would too") from None
+    if proc.returncode:
+        cause = last_error_line(proc.stderr) or (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        fix = f"; {FIX}" if any(name in proc.stderr for name in TORCH_EXTRAS) else ""
+        raise PreflightError(f"the vLLM install is broken, every server would die at start: {cause}{fix}")
+
+
+def check_sandbox(config) -> None:
+    """A Docker backend needs an engine that answers; raises DockerUnavailable."""
+    if config.backend == "docker":
+        from sandbox.docker_backend import connect
+
+        connect().close()
+    if config.backend == "namespace":
+        from sandbox.namespace import probe
+
+        probe()  # raises NamespaceUnavailable where unshare cannot make the namespaces
+
+
+def check_checkout(task) -> None:
+    """The installed vLLM is the task's, and its checkout (if there is one yet) is clean and tagged."""
+    from agent.world.checkout import default_checkout_path, installed_vllm, open_checkout
+
+    _, installed = installed_vllm()
+    if installed != task.target.vllm_version:
+        raise PreflightError(f"the task targets vLLM {task.target.vllm_version}, but {installed} is installed")
+    path = task.target.checkout or default_checkout_path(installed)
+    if task.target.checkout is not None or path.exists():
+        open_checkout(path, installed)
+
+
+def check_run(task) -> None:
+    """What a run checks before it writes anything, cheapest first (RunSetup checks again, later)."""
+    check_sandbox(task.sandbox)
+    check_checkout(task)
+    check_vllm_install()
+    from agent.world.checkout import installed_vllm
+    from agent.world.serve_args import check_levers
+
+    check_levers(task, installed_vllm()[1])
+
+
+def check_patches(task, repo) -> list[str]:
+    """Each queued patch `git apply --check`ed against the run's base (the version tag), in a scratch index:
+    raises PreflightError if none applies; returns a warning for each that does not (a patch may build on
+    an earlier one, which applies to the branch only once that one is kept)."""
+    if task.proposer.kind != "queue":
+        return []
+    from agent.world.checkout import version_tag
+    from agent.proposers.queue import QueueProposer, has_diff
+
+    base = version_tag(task.target.vllm_version)
+    failed: dict[str, str] = {}
+    pending = QueueProposer(task.proposer.patches).pending
+    with tempfile.TemporaryDirectory(prefix="nightshift-patches-") as scratch:
+        env = {**os.environ, "GIT_INDEX_FILE": str(Path(scratch) / "index")}
+        repo.git.read_tree(base, env=env)
+        for path in pending:
+            text = path.read_text()
+            if not has_diff(text):
+                continue  # serving flags only
+            proc = subprocess.run(["git", "apply", "--check", "--cached", "--whitespace=nowarn", "-"],
+                                  input=text if text.endswith("\n") else text + "\n", capture_output=True,
+                                  text=True, cwd=repo.working_dir, env=env)
+            if proc.returncode:
+                errors = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
+                cause = errors[0][len("error: "):].replace(" in index", "") if errors else f"exit {proc.returncode}"
+                failed[path.name] = cause
+    if failed and len(failed) == len(pending):
+        first = next(iter(failed.items()))
+        raise PreflightError(f"no queued patch applies to {base} in {repo.working_dir} ({len(failed)} checked; "
+                             f"{first[0]}: {first[1]})")
+    return [f"{name} does not apply to {base} ({cause}); it is still proposed, after the patches before it"
+            for name, cause in failed.items()]

@@ -1,0 +1,310 @@
+"""The benchmark: interleaved, repeated passes of the workload; the clock and counts are ours."""
+from __future__ import annotations
+
+import asyncio
+import gzip
+import hashlib
+import json
+import math
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from agent.world import gpu_state
+from agent.stages.load import LoadClient, steady_window
+from agent.stages.completions import ANSWER_ERRORS, RequestError, draw_prompts
+from agent.stages.stats import SpeedupEstimate, idle_work, plan_looks, sequential_estimate
+from agent.world.task import Task
+from agent.stages.token_audit import Output
+from sandbox.base import Server
+from sandbox.host import cpu_seconds, server_pid
+from traces.schema import BenchReport, Sample
+
+
+IDLE_BUSY_CORES = 0.5
+"""A pass during which the other side's (idle) server used more CPU than this is flagged."""
+QUIET_CORES, QUIET_WINDOW_S = 0.1, 0.25
+"""Before a pass, both servers are awaited until each used less CPU than this over one window."""
+
+
+class WorkMismatch(RuntimeError):
+    """A server returned other work than was asked for (fewer tokens, or other tokens)."""
+
+
+class HarnessBound(RuntimeError):
+    """The load client was too busy during a pass for its clock to measure the server."""
+
+
+class IdleWork(RuntimeError):
+    """The candidate's server worked while the incumbent was measured (agent/stages/stats.py idle_work)."""
+
+
+class PassFailed(RequestError):
+    """A timed pass's server failed to answer (an error, a dead process, or no token on any stream for
+    benchmark.stall_timeout_s): which side it was, so that a hung incumbent is not blamed on the candidate."""
+
+    def __init__(self, role: str, server: str, repetition: int, cause: BaseException):
+        self.role, self.server, self.repetition = role, server, repetition
+        detail = str(cause) or type(cause).__name__
+        super().__init__(f"the {role}'s server {server} failed in repetition {repetition}: {detail}")
+
+
+@dataclass
+class Pass:
+    sample: Sample
+    prompts: list[list[int]]
+    outputs: list[list[int]]
+
+    def requests(self) -> list[Output]:
+        return [Output(self.sample.repetition, i, p, o) for i, (p, o) in enumerate(zip(self.prompts, self.outputs))]
+
+
+def outputs_sha256(prompts: list[list[int]], outputs: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps([prompts, outputs], separators=(",", ":")).encode()).hexdigest()
+
+
+def save_passes(folder: Path, name: str, passes: list[Pass]) -> Path:
+    """Every pass's prompts and returned token ids, gzipped JSON (each sample records their sha256)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json.gz"
+    records = [{"role": p.sample.role, "repetition": p.sample.repetition, "sha256": p.sample.outputs_sha256,
+                "prompts": p.prompts, "outputs": p.outputs} for p in passes]
+    with gzip.open(path, "wt") as f:
+        json.dump(records, f, separators=(",", ":"))
+    return path
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def sample_metric(task: Task) -> str:
+    """The Sample field the decision reads: the steady-state figure unless benchmark.window is whole_pass."""
+    b = task.benchmark
+    return b.metric if b.window == "whole_pass" else f"steady_{b.metric}"
+
+
+def planned_looks(task: Task) -> list[int]:
+    b = task.benchmark
+    return plan_looks(b.repetitions, b.max_repetitions, b.look_every)
+
+
+def planned_repetitions(task: Task) -> int:
+    return planned_looks(task)[-1]
+
+
+def pass_size(task: Task, wave_seconds: float | None = None) -> int:
+    """Requests per timed pass: workload.waves waves, or whole waves filling workload.duration_s at the
+    measured time of one wave, or workload.num_prompts."""
+    w = task.workload
+    if w.waves:
+        return w.waves * w.concurrency
+    if w.duration_s and wave_seconds:
+        return max(1, round(w.duration_s / wave_seconds)) * w.concurrency
+    return w.num_prompts
+
+
+async def answered(load: LoadClient, server: Server, role: str, repetition: int, prompts: list[list[int]],
+                   output_len: int, concurrency: int | None, timeout_s: float, stall_s: float | None):
+    """The load run of one pass (or warm-up, repetition -1); a failure to answer names the side."""
+    try:
+        return await load.run(server.endpoint, prompts, output_len, concurrency, timeout_s, stall_s)
+    except ANSWER_ERRORS as exc:
+        raise PassFailed(role, server.name, repetition, exc) from None
+
+
+async def settle(pids: dict[int, str], max_wait_s: float) -> tuple[float, dict[str, float]]:
+    """Wait, at most max_wait_s, until each process tree in `pids` (pid: name) used under QUIET_CORES over one
+    window; returns the seconds waited and, for those still busy then, their cores over the last window."""
+    started = time.perf_counter()
+    if not pids or max_wait_s <= 0:
+        return 0.0, {}
+    before, clock = {p: cpu_seconds(p) for p in pids}, started
+    while True:
+        await asyncio.sleep(QUIET_WINDOW_S)
+        now = time.perf_counter()
+        after = {p: cpu_seconds(p) for p in pids}
+        busy = {pids[p]: round((after[p] - before[p]) / (now - clock), 2) for p in pids}
+        busy = {name: cores for name, cores in busy.items() if cores >= QUIET_CORES}
+        if not busy or now - started >= max_wait_s:
+            return round(now - started, 3), busy
+        before, clock = after, now
+
+
+async def timed_pass(load: LoadClient, server: Server, role: str, repetition: int, prompts: list[list[int]],
+                     output_len: int, concurrency: int | None, timeout_s: float, gpus: list[int] = (),
+                     stall_s: float | None = None, idle: Server | None = None, settle_s: float = 0.0,
+                     restless: set[str] | None = None) -> Pass:
+    """One pass; with `idle`, the other side's server, whose CPU time during the pass is recorded. First both
+    servers are given up to `settle_s` to go quiet (the work left from the last pass ends before the clock
+    starts); one that does not is added to `restless` and not awaited again, its work counted in the pass."""
+    idle_pid = server_pid(idle) if idle is not None else None
+    restless = set() if restless is None else restless
+    waiting = {pid: who for pid, who in ((server_pid(server), server.name), (idle_pid, idle and idle.name))
+               if pid is not None and who not in restless}
+    settled_s, busy = await settle(waiting, settle_s)
+    restless.update(busy)
+    with gpu_state.GpuMonitor(list(gpus), gpu_state.server_pids(server) if gpus else None) as gpu:
+        idle_before = cpu_seconds(idle_pid)
+        started = time.perf_counter()
+        result = await answered(load, server, role, repetition, prompts, output_len, concurrency, timeout_s, stall_s)
+        seconds, completions = time.perf_counter() - started, result.completions
+        idle_after = cpu_seconds(idle_pid)
+    outputs = [c.tokens for c in completions]
+    short = [i for i, tokens in enumerate(outputs) if len(tokens) != output_len]
+    if short:
+        raise WorkMismatch(f"{role}: {len(short)} of {len(prompts)} requests did not return exactly "
+                           f"{output_len} tokens (first: prompt {short[0]}, {len(outputs[short[0]])} tokens)")
+    input_tokens = sum(len(p) for p in prompts)
+    output_tokens = sum(len(t) for t in outputs)
+    ttft = [c.ttft_ms for c in completions if c.ttft_ms is not None]
+    tpot = [c.tpot_ms for c in completions if c.tpot_ms is not None]
+    state = gpu.summary()
+    flags = gpu_state.flags(state)
+    lanes = min(concurrency or len(prompts), len(prompts))
+    window = steady_window(completions, [len(p) for p in prompts], lanes) if concurrency else None
+    idle_cpu = None if idle_before is None else round(idle_after - idle_before, 3)
+    flags += [f"restless: {name} still used {cores:.2f} CPU cores after {settled_s:.1f} s with no request"
+              for name, cores in busy.items()]
+    if idle_cpu is not None and idle_cpu / seconds > IDLE_BUSY_CORES:
+        flags.append(f"neighbour busy: the other side's server used {idle_cpu / seconds:.2f} CPU cores")
+    if window is None:
+        flags.append("no steady state: " + (f"{lanes} requests were never in flight before the drain" if concurrency
+                                            else "no concurrency cap, every request sent at once") + "; whole pass used")
+        steady = (seconds, input_tokens, output_tokens)
+    else:
+        steady = (window.seconds, window.input_tokens, window.output_tokens)
+    sample = Sample(role=role, repetition=repetition, seconds=seconds, input_tokens=input_tokens,
+                    output_tokens=output_tokens, total_tokens_per_s=(input_tokens + output_tokens) / seconds,
+                    output_tokens_per_s=output_tokens / seconds, ttft_ms_p50=_percentile(ttft, 50),
+                    ttft_ms_p99=_percentile(ttft, 99), tpot_ms_p50=_percentile(tpot, 50),
+                    tpot_ms_p99=_percentile(tpot, 99), client_cpu_s=round(result.cpu_s, 3),
+                    client_busy=round(result.busy, 3), outputs_sha256=outputs_sha256(prompts, outputs),
+                    steady_seconds=steady[0], steady_total_tokens_per_s=(steady[1] + steady[2]) / steady[0],
+                    steady_output_tokens_per_s=steady[2] / steady[0], gpu=state, flags=flags,
+                    neighbour_cpu_s=idle_cpu, settle_s=settled_s)
+    return Pass(sample, prompts, outputs)
+
+
+async def warm_up(load: LoadClient, server: Server, task: Task, vocab_size: int, seed: int,
+                  role: str = "incumbent") -> float | None:
+    """The warm-up requests (at least one wave where passes are sized by duration); returns their seconds."""
+    w = task.workload
+    count = max(task.benchmark.warmup_requests, w.concurrency if w.duration_s else 0)
+    if not count:
+        return None
+    prompts = draw_prompts(seed, count, w.input_len, vocab_size)
+    started = time.perf_counter()
+    await answered(load, server, role, -1, prompts, w.output_len, w.concurrency, task.benchmark.request_timeout_s,
+                   task.benchmark.stall_timeout_s)
+    return (time.perf_counter() - started) / math.ceil(count / (w.concurrency or count))
+
+
+@dataclass
+class Comparison:
+    samples: list[Sample]
+    estimate: SpeedupEstimate
+    note: str
+    passes: list[Pass]
+
+    @property
+    def sequential(self):
+        return self.estimate.sequential
+
+    def outputs(self, role: str) -> list[Output]:
+        return [o for p in self.passes if p.sample.role == role for o in p.requests()]
+
+
+async def compare(task: Task, incumbent: Server, candidate: Server, vocab_size: int, seeds: list[int],
+                  on_sample: Callable[[Sample], None] = lambda s: None) -> Comparison:
+    """Interleave incumbent and candidate (ABBA order) over fresh prompts for each repetition, until the
+    stopping rule decides (a fixed count where benchmark.max_repetitions is unset)."""
+    with LoadClient(task.benchmark.client_processes) as load:
+        return await _compare(load, task, incumbent, candidate, vocab_size, seeds, on_sample)
+
+
+def audit_calibration_passes(task: Task) -> int:
+    """The A/A's passes: audit.calibration_passes, or as many as a candidate's audit covers (its benchmark's
+    repetitions, or enough passes for audit.sample requests)."""
+    a = task.audit
+    if a.calibration_passes:
+        return a.calibration_passes
+    if a.sample is None:
+        return planned_repetitions(task)
+    return max(1, math.ceil(a.sample / pass_size(task)))
+
+
+async def calibration_passes(task: Task, server: Server, vocab_size: int, seeds: list[int]) -> list[Pass]:
+    """Timed passes of the workload on one server (the baseline's A/A for the token audit)."""
+    w, b = task.workload, task.benchmark
+    with LoadClient(b.client_processes) as load:
+        count = pass_size(task, await warm_up(load, server, task, vocab_size, seeds[0]))
+        return [await timed_pass(load, server, "incumbent", repetition,
+                                 draw_prompts(seed, count, w.input_len, vocab_size), w.output_len,
+                                 w.concurrency, b.request_timeout_s, task.sandbox.gpus, b.stall_timeout_s)
+                for repetition, seed in enumerate(seeds[1:])]
+
+
+async def _compare(load: LoadClient, task: Task, incumbent: Server, candidate: Server, vocab_size: int,
+                   seeds: list[int], on_sample: Callable[[Sample], None]) -> Comparison:
+    w, b, a = task.workload, task.benchmark, task.acceptance
+    wave_s = await warm_up(load, incumbent, task, vocab_size, seeds[0])
+    await warm_up(load, candidate, task, vocab_size, seeds[0], "candidate")
+    count = pass_size(task, wave_s)
+    looks, metric = planned_looks(task), sample_metric(task)
+    seeds = list(seeds) + [secrets.randbits(63) for _ in range(looks[-1] + 1 - len(seeds))]
+    samples: list[Sample] = []
+    kept: list[Pass] = []
+    logs: list[float] = []
+    signs: list[float] = []
+    checked = 0
+    estimate = None
+    restless: set[str] = set()
+    for repetition, seed in enumerate(seeds[1:looks[-1] + 1]):
+        prompts = draw_prompts(seed, count, w.input_len, vocab_size)
+        order = [("incumbent", incumbent), ("candidate", candidate)]
+        if repetition % 2:
+            order.reverse()
+        passes = {}
+        for (role, server), (_, other) in zip(order, order[::-1]):
+            passes[role] = await timed_pass(load, server, role, repetition, prompts, w.output_len, w.concurrency,
+                                            b.request_timeout_s, task.sandbox.gpus, b.stall_timeout_s, other,
+                                            b.settle_s, restless)
+            sample = passes[role].sample
+            samples.append(sample)
+            kept.append(passes[role])
+            on_sample(sample)
+            if sample.client_busy > b.max_client_busy:
+                raise HarnessBound(
+                    f"{role} repetition {repetition}: a load client process was busy {sample.client_busy:.0%} of "
+                    f"the pass (limit {b.max_client_busy:.0%}), so the client, not the server, may have set the "
+                    f"pace; raise benchmark.client_processes (now {b.client_processes})")
+        if b.check_tokens:
+            if passes["candidate"].outputs != passes["incumbent"].outputs:
+                raise WorkMismatch(f"repetition {repetition}: benchmark tokens differ from the incumbent's")
+            checked += len(prompts)
+        logs.append(math.log(getattr(passes["candidate"].sample, metric) / getattr(passes["incumbent"].sample, metric)))
+        signs.append(1.0 if order[0][0] == "incumbent" else -1.0)
+        if len(logs) in looks:
+            estimate, sequential = sequential_estimate(logs, signs, looks, a.confidence, a.min_speedup)
+            if sequential.stopped:
+                break
+    busy = idle_work(samples, b.max_idle_cpu)
+    if busy:
+        raise IdleWork(busy)
+    note = (f"every request returned exactly {w.output_len} tokens"
+            + (f"; {checked} outputs identical to the incumbent's" if b.check_tokens else
+               "; tokens not compared with the incumbent's (batching is not invariant in this regime)"))
+    return Comparison(samples, estimate, note, kept)
+
+
+def report(candidate: int, task: Task, samples: list[Sample], estimate: SpeedupEstimate, proof, note: str,
+           confirmation: int = 0):
+    return BenchReport(candidate=candidate, metric=sample_metric(task), samples=samples,
+                       speedup=estimate.speedup, ci_low=estimate.ci_low, ci_high=estimate.ci_high,
+                       confidence=estimate.confidence, p_value=estimate.p_value, liveness=proof.liveness,
+                       output_check=note, confirmation=confirmation, sequential=estimate.sequential)

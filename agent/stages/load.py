@@ -1,0 +1,115 @@
+"""The benchmark's load generator: the workload's lanes, spread over client processes, so that a
+measurement never measures the harness's own CPU. It reports how busy its busiest process was."""
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+from agent.stages.completions import Completion, RequestError, complete_all
+from sandbox.base import Endpoint
+
+
+@dataclass
+class Load:
+    completions: list[Completion]
+    cpu_s: float
+    """CPU time of all client processes together."""
+    busy: float
+    """The busiest client process's CPU time over its wall time; near 1, the client was the limit."""
+
+
+@dataclass
+class Window:
+    """The steady state of a pass: from the first moment `lanes` requests were in flight to the first
+    completion after the last request was sent, when in-flight falls below `lanes` for good (the drain)."""
+
+    start: float
+    end: float
+    input_tokens: int
+    """Prompt tokens of the requests whose first token (the end of their prefill) arrived in the window."""
+    output_tokens: int
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+def steady_window(completions: list[Completion], prompt_lens: list[int], lanes: int) -> Window | None:
+    """None where the pass never held `lanes` requests in flight before its drain began."""
+    if not completions:
+        return None
+    events = sorted([(c.sent, 1) for c in completions] + [(c.done, -1) for c in completions])
+    level, start = 0, None
+    for at, step in events:
+        level += step
+        if level >= lanes:
+            start = at
+            break
+    last_sent = max(c.sent for c in completions)
+    end = min((c.done for c in completions if c.done > last_sent), default=None)
+    if start is None or end is None or end <= start:
+        return None
+    output = sum(n for c in completions for at, n in c.chunks if start <= at <= end)
+    prefilled = sum(k for c, k in zip(completions, prompt_lens)
+                    if c.first_token is not None and start <= c.first_token <= end)
+    return Window(start, end, prefilled, output)
+
+
+def _shard(endpoint: Endpoint, prompts: list[list[int]], max_tokens: int, lanes: int,
+           timeout_s: float, stall_s: float | None = None) -> tuple[list[Completion], float, float]:
+    cpu, started = time.process_time(), time.perf_counter()
+    try:
+        completions = asyncio.run(complete_all(endpoint, prompts, max_tokens, lanes, timeout_s, stall_s))
+    except Exception as exc:  # crosses a process boundary: keep the message, in a type that pickles
+        raise RequestError(f"{type(exc).__name__}: {exc}") from None
+    return completions, time.process_time() - cpu, time.perf_counter() - started
+
+
+def _ready() -> bool:
+    time.sleep(0.2)
+    return True
+
+
+class LoadClient:
+    """`processes` client processes (1: the harness process itself), started before any timing."""
+
+    def __init__(self, processes: int = 1):
+        self.processes = processes
+        self.pool = None
+        if processes > 1:
+            self.pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
+            if not all(f.result() for f in [self.pool.submit(_ready) for _ in range(processes)]):
+                raise RuntimeError("load client processes did not start")
+
+    def __enter__(self) -> LoadClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool:
+            self.pool.shutdown(cancel_futures=True)
+
+    async def run(self, endpoint: Endpoint, prompts: list[list[int]], max_tokens: int, concurrency: int | None,
+                  timeout_s: float, stall_s: float | None = None) -> Load:
+        """All prompts by at most `concurrency` lanes in all (None: all at once); results in prompt order. A
+        client process in which no token arrives on any lane for `stall_s` fails the run (complete_all)."""
+        lanes = min(concurrency or len(prompts), len(prompts))
+        if self.pool is None or lanes < 2:
+            cpu, started = time.process_time(), time.perf_counter()
+            completions = await complete_all(endpoint, prompts, max_tokens, lanes, timeout_s, stall_s)
+            cpu = time.process_time() - cpu
+            return Load(completions, cpu, cpu / (time.perf_counter() - started))
+        parts = min(self.processes, lanes)
+        shards = [list(range(j, len(prompts), parts)) for j in range(parts)]
+        loop = asyncio.get_running_loop()
+        results = await asyncio.gather(*(
+            loop.run_in_executor(self.pool, _shard, endpoint, [prompts[i] for i in shard], max_tokens,
+                                 lanes // parts + (j < lanes % parts), timeout_s, stall_s)
+            for j, shard in enumerate(shards)))
+        completions: list[Completion] = [None] * len(prompts)  # type: ignore[list-item]
+        for shard, (done, _, _) in zip(shards, results):
+            for index, completion in zip(shard, done):
+                completions[index] = completion
+        return Load(completions, sum(r[1] for r in results), max(r[1] / r[2] for r in results))

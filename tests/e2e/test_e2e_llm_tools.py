@@ -1,0 +1,69 @@
+"""The tool-using LLM proposer end to end on the real vLLM CPU build: two scripted models on the loopback
+OpenAI-compatible server drive the real loop on the CPU task (real servers, parity, benchmark, audit, git).
+
+The expert explores the real tree (list, grep, read), proposes an identity edit, reads the harness's answer and
+proposes the fix, a whole-method replacement in Gemma 4's decoder layer: it builds, is imported by the server,
+passes parity and the audit, and is judged on its speedup and interval. The adversary's change is right alone and
+wrong in batches: it passes parity (one request at a time) and is rejected at the audit."""
+import pytest
+
+from agent.replay.chain import audit
+from agent.run.loop import Loop
+from agent.proposers.llm import LlmProposer
+from agent.face.report import review_tables
+from fake_openai_server import FakeOpenAI
+from scripted_models import GEMMA4, gemma4_adversary, gemma4_expert, numbered
+from tests.e2e.test_e2e_vllm import ROOT, events
+from agent.run.setup import prepare_run
+from agent.world.task import load_task, with_overrides
+from traces import read_trace
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3000)]
+
+
+@pytest.fixture(scope="module")
+def scripted_run(tmp_path_factory, vllm_checkout):
+    script = numbered(gemma4_expert((vllm_checkout / GEMMA4).read_text()) + gemma4_adversary())
+    with FakeOpenAI(script=script) as server:
+        task = load_task(ROOT / "tasks" / "gemma4-tiny-cpu.yaml")
+        # No A/A before the first candidate here: tests/run/test_noise_floor.py runs it on this task. The audit runs
+        # with the task's own rule (its honest noise on an AMX CPU is the control's too)
+        task = with_overrides(task, target={"checkout": str(vllm_checkout)}, budget={"max_candidates": 2},
+                              benchmark={"noise_floor": False},
+                              proposer={"kind": "llm", "base_url": server.base_url, "model": "scripted-expert",
+                                        "api_key_env": None, "profile": False, "tools": "native",
+                                        "request_timeout_s": 30, "max_retries": 0, "repair_turns": 0})
+        setup = prepare_run(task, tmp_path_factory.mktemp("llm-tools") / "runs")
+        finished = Loop(setup, LlmProposer.from_task(task)).run()
+    return setup, finished, read_trace(setup.run_dir / "trace.jsonl")
+
+
+def test_the_scripted_expert_fixes_its_mistake_and_its_patch_is_judged(scripted_run):
+    setup, finished, records = scripted_run
+    calls = [e for e in events(records, "tool_call") if e.candidate == 1]
+    assert [c.name for c in calls] == ["list_dir", "grep", "read_file", "propose", "propose"]
+    assert "gemma4.py (" in calls[0].result and "layer_scalar" in calls[1].result
+    assert "identity: FAILED" in calls[3].result and "ACCEPTED" in calls[4].result
+    decision = next(d for d in events(records, "decision") if d.candidate == 1)
+    assert decision.stage == "decision" and decision.speedup is not None, decision.reason
+    bench = next(b for b in events(records, "benchmark") if b.candidate == 1)
+    assert bench.liveness.imported_patched == [GEMMA4]
+    parity = next(p for p in events(records, "parity") if p.candidate == 1)
+    token_audit = next(a for a in events(records, "audit") if a.candidate == 1)
+    assert parity.ok and token_audit.violation_count == 0
+    entry = next(e for e in events(records, "notebook") if e.candidate == 1)
+    assert f"speedup {decision.speedup:.3f}x [{decision.ci_low:.3f}, {decision.ci_high:.3f}]" in entry.summary
+    assert review_tables(setup.run_dir)[-1].title.startswith("lab notebook")
+    print(f"\nexpert: {decision.verdict} {decision.speedup:.3f}x [{decision.ci_low:.3f}, {decision.ci_high:.3f}]: "
+          f"{decision.reason}")
+
+
+def test_the_scripted_adversary_right_alone_wrong_in_batches_is_rejected_at_the_audit(scripted_run):
+    setup, finished, records = scripted_run
+    decision = next(d for d in events(records, "decision") if d.candidate == 2)
+    parity = next(p for p in events(records, "parity") if p.candidate == 2)
+    assert parity.ok, "the adversary must pass parity for this test to mean anything"
+    assert (decision.verdict, decision.stage) == ("discard", "audit"), decision.reason
+    entry = next(e for e in events(records, "notebook") if e.candidate == 2)
+    assert entry.divergence and "right alone, wrong in a batch" in entry.learned
+    assert audit(setup.run_dir).commits == finished.kept

@@ -1,0 +1,325 @@
+"""Containment tests against the real Docker engine and the sandbox image.
+
+Each plants a hostile candidate (tests/hostile/acts) and checks that the expected outcome is
+recorded, then that the next candidate runs normally. Needs a running engine and the image
+(scripts/docker-engine.sh; scripts/docker-image.sh); skipped only when no engine answers.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from agent.world.task import Sandbox as SandboxConfig
+from sandbox.base import SandboxError, ServerSpec
+from sandbox.docker_backend import DockerSandbox, DockerUnavailable, connect
+from sandbox.docker_spec import SANDBOX_UID
+from sandbox.host import cpu_seconds, process_tree, server_pid
+from tests.hostile.plant import hostile_spec, observed
+
+
+def hostile(tmp_path: Path, act: str, name: str | None = None, **fields) -> ServerSpec:
+    return hostile_spec(tmp_path, act, name, fields.pop("startup_timeout_s", 120), **fields)
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(900)]
+
+IMAGE = os.environ.get("NIGHTSHIFT_SANDBOX_IMAGE", "nightshift-sandbox:cpu")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    try:
+        client = connect()
+    except DockerUnavailable as exc:
+        pytest.skip(str(exc))
+    if not client.images.list(name=IMAGE):
+        pytest.fail(f"the sandbox image {IMAGE} is missing: build it with scripts/docker-image.sh")
+    return client
+
+
+def config(**overrides) -> SandboxConfig:
+    fields = dict(backend="docker", image=IMAGE, memory_gb=1, pids_limit=128, tmpfs_mb=64)
+    return SandboxConfig(**{**fields, **overrides})
+
+
+def containers_of(engine, run_dir: Path) -> list:
+    return engine.containers.list(all=True, filters={"label": f"nightshift.run={run_dir.name}"})
+
+
+def assert_next_candidate_runs(engine, sandbox: DockerSandbox, tmp_path: Path) -> None:
+    server = sandbox.start(hostile(tmp_path, "benign", name=f"next-{uuid.uuid4().hex[:6]}"))
+    try:
+        with server.sync_client(30) as client:
+            assert client.get("/health").status_code == 200
+            reply = client.post("/v1/completions", json={"model": "model", "prompt": "hi", "max_tokens": 3})
+            assert reply.json()["choices"][0]["token_ids"] == [5, 6, 7]
+        assert observed(server)["uid"] == (SANDBOX_UID if os.getuid() == 0 else os.getuid())
+    finally:
+        assert server.stop() == "ok"
+    assert not containers_of(engine, sandbox.run_dir)
+
+
+def test_benign_candidate_is_hardened_and_records_imports(engine, tmp_path, run_dir):
+    sandbox = DockerSandbox(config(cpus=1), run_dir)
+    server = sandbox.start(hostile(tmp_path, "benign"))
+    try:
+        attrs = engine.containers.get(server.container.id).attrs
+        host = attrs["HostConfig"]
+        assert host["ReadonlyRootfs"] and host["Init"] and host["NetworkMode"] == "none"
+        assert host["CapDrop"] == ["ALL"] and host["SecurityOpt"] == ["no-new-privileges"]
+        assert host["PidsLimit"] == 128 and host["Memory"] == 1 << 30 and host["NanoCpus"] == 10**9
+        assert attrs["Config"]["User"] != "" and not attrs["Config"]["User"].startswith("0")
+        assert attrs["Config"]["Labels"]["nightshift.candidate"] == "benign"
+        mounts = {m["Destination"]: m["RW"] for m in attrs["Mounts"]}
+        assert mounts == {"/sandbox/tree": False, "/sandbox/model": False, "/sandbox/recorder": False,
+                          "/sandbox/io": True}
+        with server.sync_client(30) as client:
+            assert client.get("/health").status_code == 200
+        with_async = _async_health(server)
+        assert with_async == 200
+        imports = server.imported_files()
+        assert "vllm/entrypoints/cli/main.py" in imports and "vllm/entrypoints/cli/stub_server.py" in imports
+        assert server.alive()
+        pid = server_pid(server)  # the container's init as this host sees it: the benchmark counts its CPU
+        assert pid == attrs["State"]["Pid"] and any("vllm.entrypoints.cli.main" in open(f"/proc/{p}/cmdline").read()
+                                                    for p in process_tree(pid))
+        assert cpu_seconds(pid) > 0
+    finally:
+        assert server.stop() == "ok"
+    assert not server.alive() and not server.io_dir.exists()
+    assert "vllm/entrypoints/cli/main.py" in server.imported_files()  # kept after the container is gone
+    assert "serving on" in server.logs()
+    assert not containers_of(engine, run_dir)
+
+
+def _async_health(server) -> int:
+    import asyncio
+
+    async def probe():
+        async with server.client(30) as client:
+            return (await client.get("/health")).status_code
+
+    return asyncio.run(probe())
+
+
+def test_network_egress_fails(engine, tmp_path, run_dir):
+    sandbox = DockerSandbox(config(), run_dir)
+    server = sandbox.start(hostile(tmp_path, "network"))
+    try:
+        seen = observed(server)
+    finally:
+        assert server.stop() == "ok"
+    assert seen["tcp"] and all(result != "connected" for result in seen["tcp"].values()), seen
+    assert seen["dns"] and all(not result.startswith("resolved") for result in seen["dns"].values()), seen
+    assert seen["interfaces"] == ["lo"]
+    assert_next_candidate_runs(engine, sandbox, tmp_path)
+
+
+def test_writes_fail_outside_the_capped_tmpfs(engine, tmp_path, run_dir):
+    sandbox = DockerSandbox(config(tmpfs_mb=32), run_dir)
+    spec = hostile(tmp_path, "writes")
+    for path in [spec.source_tree, *spec.source_tree.rglob("*")]:  # so that only the read-only mount stops writes
+        path.chmod(0o777 if path.is_dir() else 0o666)
+    server = sandbox.start(spec)
+    try:
+        seen = observed(server)
+    finally:
+        assert server.stop() == "ok"
+    writes = seen["writes"]
+    for path in ("/nightshift-probe", "/etc/nightshift-probe", "/usr/nightshift-probe", "/var/nightshift-probe",
+                 "/root/nightshift-probe", "/sandbox/nightshift-probe"):
+        assert writes[path] in ("EROFS", "EACCES"), (path, writes[path])
+    for path in ("/sandbox/tree/nightshift-probe", "/sandbox/tree/vllm/__init__.py",
+                 "/sandbox/model/nightshift-probe", "/sandbox/recorder/nightshift-probe"):
+        assert writes[path] == "EROFS", (path, writes[path])
+    assert writes["/sandbox/recorder/sitecustomize.py"] in ("EROFS", "EACCES")
+    assert writes["/tmp/nightshift-probe"] == "written" and writes["/dev/shm/nightshift-probe"] == "written"
+    assert seen["fill_tmp"]["result"] == "ENOSPC" and seen["fill_tmp"]["written_mb"] <= 32, seen["fill_tmp"]
+    assert not (spec.source_tree / "nightshift-probe").exists()
+    assert (spec.source_tree / "vllm" / "__init__.py").read_text() == ""
+    assert_next_candidate_runs(engine, sandbox, tmp_path)
+
+
+def test_fork_bomb_is_contained_by_the_pids_limit(engine, tmp_path, run_dir):
+    sandbox = DockerSandbox(config(pids_limit=64), run_dir)
+    server = sandbox.start(hostile(tmp_path, "fork_bomb"))
+    try:
+        seen = observed(server)
+    finally:
+        assert server.stop() == "ok"
+    assert seen["own_fork_during_bomb"] == "EAGAIN", seen
+    assert seen["processes_during_bomb"] <= 64, seen
+    assert_next_candidate_runs(engine, sandbox, tmp_path)
+
+
+def test_memory_hog_is_killed_and_reported_as_oom(engine, tmp_path, run_dir):
+    sandbox = DockerSandbox(config(memory_gb=0.25), run_dir)
+    with pytest.raises(SandboxError) as caught:
+        sandbox.start(hostile(tmp_path, "memory_hog"))
+    assert caught.value.outcome == "oom", caught.value
+    assert "memory_hog:" in caught.value.logs
+    assert not containers_of(engine, run_dir)
+    assert_next_candidate_runs(engine, sandbox, tmp_path)
+
+
+def test_hang_is_killed_at_the_timeout(engine, tmp_path, run_dir):
+    sandbox = DockerSandbox(config(), run_dir)
+    started = time.monotonic()
+    with pytest.raises(SandboxError) as caught:
+        sandbox.start(hostile(tmp_path, "hang", startup_timeout_s=8))
+    elapsed = time.monotonic() - started
+    assert caught.value.outcome == "timeout", caught.value
+    assert 8 <= elapsed < 30, elapsed
+    assert "ignoring SIGTERM" in caught.value.logs
+    assert not containers_of(engine, run_dir)
+    assert_next_candidate_runs(engine, sandbox, tmp_path)
+
+
+def test_secrets_are_out_of_reach(engine, tmp_path, run_dir, monkeypatch):
+    marker = "NIGHTSHIFT" + "-PLANTED-" + uuid.uuid4().hex
+    for name in ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "HF_TOKEN", "VLLM_API_KEY", "NIGHTSHIFT_SECRET"):
+        monkeypatch.setenv(name, marker)
+    (run_dir / f"references-{marker}.jsonl").write_text(f'{{"tokens": [1, 2], "secret": "{marker}"}}\n')
+    (run_dir / "trace.jsonl").write_text(f'{{"event": "x", "secret": "{marker}"}}\n')
+    (run_dir / "parity-prompts.jsonl").write_text(f'{{"prompt": "{marker}"}}\n')
+    spec = hostile(tmp_path, "secrets", env={"OPENAI_API_KEY": marker, "HF_HUB_TOKEN": marker,
+                                            "NIGHTSHIFT_CONTROL": marker})
+    (spec.source_tree / f"control-{marker}.txt").write_text(marker)  # a positive control the scan must find
+    sandbox = DockerSandbox(config(memory_gb=2), run_dir)
+    server = sandbox.start(spec.model_copy(update={"startup_timeout_s": 300}))
+    try:
+        seen = observed(server)
+    finally:
+        assert server.stop() == "ok"
+    assert seen["files_scanned"] > 10_000, seen["files_scanned"]
+    control = {"env NIGHTSHIFT_CONTROL", f"name /sandbox/tree/control-{marker}.txt",
+               f"content /sandbox/tree/control-{marker}.txt"}
+    assert control <= set(seen["hits"]), seen["hits"]
+    leaks = [hit for hit in seen["hits"] if hit not in control and not hit.endswith("/environ")]
+    assert leaks == [], leaks  # /proc/*/environ hits are the control variable, seen by each process
+    assert_next_candidate_runs(engine, sandbox, tmp_path)
+
+
+DEAD_HARNESS = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, {root!r})
+from agent.world.task import Sandbox
+from sandbox.base import ServerSpec
+from sandbox.docker_backend import DockerSandbox
+sandbox = DockerSandbox(Sandbox(backend="docker", image={image!r}, memory_gb=1, pids_limit=128, tmpfs_mb=64),
+                        Path({run!r}))
+server = sandbox.start(ServerSpec(name="orphan", source_tree={tree!r}, model_dir={model!r}, startup_timeout_s=120))
+print("started", server.container.name, flush=True)
+time.sleep(3600)
+"""
+
+
+def test_leftovers_of_a_killed_run_are_reaped_on_the_next_start(engine, tmp_path, run_dir):
+    dead_run = tmp_path / f"dead-{uuid.uuid4().hex[:8]}"
+    dead_run.mkdir()
+    orphan = hostile(tmp_path, "benign", name="orphan")
+    script = DEAD_HARNESS.format(root=str(ROOT), image=IMAGE, run=str(dead_run), tree=str(orphan.source_tree),
+                                 model=str(orphan.model_dir))
+    harness = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert harness.stdout.readline().startswith("started"), "the doomed harness did not start its server"
+    finally:
+        os.kill(harness.pid, signal.SIGKILL)
+        harness.wait()
+    [left] = containers_of(engine, dead_run)
+    assert left.status == "running"
+    io_dir = Path(left.labels["nightshift.io"])
+    assert io_dir.exists()
+
+    sandbox = DockerSandbox(config(), run_dir)
+    server = sandbox.start(hostile(tmp_path, "benign", name="survivor"))  # the first start reaps
+    try:
+        assert not containers_of(engine, dead_run) and not io_dir.exists()
+        assert DockerSandbox(config(), tmp_path / "another-run").reap() == 0  # a live run's server stays
+        assert server.alive()
+    finally:
+        assert server.stop() == "ok"
+    assert_next_candidate_runs(engine, sandbox, tmp_path)
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1800)
+def test_real_vllm_serves_a_greedy_completion_in_the_container(engine, vllm_tree, nightshift_cache, run_dir):
+    from agent.world.checkpoint import ensure_synthetic
+
+    model = ensure_synthetic(ROOT / "tasks" / "models" / "gemma4-tiny" / "config.json", seed=0, dtype="bfloat16")
+    spec = ServerSpec(name="real-vllm", labels={"candidate": "baseline"}, source_tree=vllm_tree, model_dir=model.path,
+                      engine_args={"dtype": "bfloat16", "max_model_len": 512, "enforce_eager": True},
+                      env={"VLLM_CPU_KVCACHE_SPACE": "1"}, startup_timeout_s=420)
+    sandbox = DockerSandbox(config(memory_gb=8, pids_limit=4096, tmpfs_mb=2048), run_dir)
+    started = time.monotonic()
+    server = sandbox.start(spec)
+    startup_s = time.monotonic() - started
+    try:
+        with server.sync_client(120) as client:
+            reply = client.post("/v1/completions", json={
+                "model": "model", "prompt": [2, 17, 99, 5, 301], "max_tokens": 8, "temperature": 0,
+                "return_token_ids": True}).json()
+        [choice] = reply["choices"]
+        assert len(choice["token_ids"]) == 8 and all(isinstance(t, int) for t in choice["token_ids"]), reply
+        imports = server.imported_files()
+        assert "vllm/entrypoints/openai/api_server.py" in imports or "vllm/entrypoints/cli/serve.py" in imports
+        assert any(f.startswith("vllm/v1/") for f in imports)
+    finally:
+        outcome = server.stop()
+    assert outcome == "ok", server.logs()
+    print(f"real vLLM in the container: healthy after {startup_s:.0f}s, tokens {choice['token_ids']}")
+
+    from sandbox.local import LocalSandbox
+
+    local = LocalSandbox(None, run_dir).start(spec.model_copy(update={"name": "real-vllm-local"}))
+    try:
+        with local.sync_client(120) as client:
+            same = client.post("/v1/completions", json={
+                "model": "model", "prompt": [2, 17, 99, 5, 301], "max_tokens": 8, "temperature": 0,
+                "return_token_ids": True}).json()
+    finally:
+        local.stop()
+    assert same["choices"][0]["token_ids"] == choice["token_ids"], "the container changed the greedy output"
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1800)
+def test_cpu_task_runs_end_to_end_in_containers(engine, tmp_path, vllm_checkout, nightshift_cache):
+    """The built-in CPU task with `sandbox.backend: docker`: every server of the run is a container."""
+    from agent.run.loop import Loop
+    from agent.proposers import make_proposer
+    from agent.run.setup import prepare_run
+    from agent.world.task import load_task, with_overrides
+    from sandbox.docker_backend import DockerSandbox as Backend
+    from traces import read_trace
+
+    task = with_overrides(load_task(ROOT / "tasks" / "gemma4-tiny-cpu.yaml"),
+                          target={"checkout": str(vllm_checkout)},
+                          sandbox={"backend": "docker", "image": IMAGE, "memory_gb": 8, "tmpfs_mb": 2048},
+                          proposer={"kind": "flags", "seed": 0, "space": {"max_num_seqs": [32]}},
+                          budget={"max_candidates": 1},  # and a small workload: this checks plumbing, not speed
+                          workload={"num_prompts": 8, "input_len": 32, "output_len": 16},
+                          parity={"num_prompts": 4}, benchmark={"repetitions": 2, "warmup_requests": 1})
+    setup = prepare_run(task, tmp_path / "runs")
+    loop = Loop(setup, make_proposer(task))
+    assert isinstance(loop.pool.sandbox, Backend)
+    finished = loop.run()
+    records = [r.event for r in read_trace(setup.run_dir / "trace.jsonl")]
+    kinds = [e.kind for e in records]
+    assert [e.ok for e in records if e.kind == "self_parity"] == [True]
+    [decision] = [e for e in records if e.kind == "decision"]
+    assert decision.stage not in ("start", "parity", "liveness"), decision.reason
+    bench = next(e for e in records if e.kind == "benchmark")
+    assert bench.liveness.imported_vllm_modules > 100  # the import log crossed the socket folder
+    assert finished.candidates == 1, kinds
+    assert not engine.containers.list(all=True, filters={"label": f"nightshift.run={setup.run_dir.name}"})

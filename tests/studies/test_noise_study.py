@@ -1,0 +1,70 @@
+"""`nightshift noise` with fake servers in real processes: repeated A/As and a known slowdown, servers started once."""
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from agent.replay.chain import audit
+from agent.face.cli import app
+from agent.studies.noise_study import study
+from agent.run.setup import prepare_run
+from tests.fake_sandbox import FakeSandbox
+from tests.stand_in import VERSION, fake_task, mode, new_file_patch
+from traces import read_trace
+
+
+pytestmark = pytest.mark.serial  # serial: repeated A/As and a known slowdown measure the host's noise
+
+
+@pytest.fixture
+def setup(tmp_path, fake_checkout, fake_model):
+    (tmp_path / "slow-4x.patch").write_text(new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.04),
+                                                           "four times the time per token"))
+    (tmp_path / "dead-code.patch").write_text(new_file_patch("vllm/never_imported.py", "X = 1\n",
+                                                             "a module no server imports"))
+    task = fake_task(fake_checkout, fake_model, tmp_path, benchmark={"warmup_requests": 2, "repetitions": 4,
+                                                                    "request_timeout_s": 10, "max_client_busy": 1.0},
+                     acceptance={"min_speedup": 1.3, "confidence": 0.95, "confirmations": 0})
+    return prepare_run(task, tmp_path / "runs", run_id="noise-test", vllm_version=VERSION)
+
+
+@pytest.mark.slow
+def test_a_a_benchmarks_and_a_known_slowdown_on_servers_started_once(setup, tmp_path):
+    slow, dead = tmp_path / "slow-4x.patch", tmp_path / "dead-code.patch"  # written before the preflight
+    sandbox = FakeSandbox(tmp_path / "servers")
+    lines = []
+    data = study(setup, 3, [slow, dead], 2, sandbox=sandbox, on_line=lines.append)
+    names = ["baseline", "baseline-aa", "dead-code", "slow-4x"]
+    assert sorted(spec.name for spec in sandbox.started) == names and sorted(sandbox.stops) == names  # side by side
+    assert data["summary"]["patches"]["dead-code"]["never_imported"] == ["vllm/never_imported.py"]
+    aa, patch = data["summary"]["a_a"], data["summary"]["patches"]["slow-4x"]
+    assert [r["label"] for r in data["benchmarks"]] == ["A/A"] * 3 + ["slow-4x"] * 2 + ["dead-code"] * 2
+    assert len(lines) == 7
+    assert all(0.75 < s < 1.33 for s in aa["speedups"]) and aa["false_accepts"] == 0
+    assert aa["benchmarks"] == 3 and aa["pooled_log_ratio_sd"] > 0 and aa["mde_speedup"] > 1.0
+    assert patch["direction"] == "slower" and patch["detected"] == 2 and patch["accepted"] == 0
+    assert all(0.1 < s < 0.5 for s in patch["speedups"])
+    assert patch["never_imported"] == []  # the fake server reads its mode file; a .py never imported would be named
+    for row in data["benchmarks"][:5]:
+        assert row["pairs"] == 4 and len(row["samples"]) == 8
+        assert [s["role"] for s in row["samples"]] == ["incumbent", "candidate", "candidate", "incumbent"] * 2
+    kinds = [r.event.kind for r in read_trace(setup.run_dir / "trace.jsonl")]
+    # the run's audit A/A, then each A/A benchmark audited beside its noise row, then the patches' audits
+    assert kinds == ["run_started", "audit"] + ["audit", "noise_floor"] * 3 + ["audit"] * 4 + ["run_finished"]
+    assert aa["audit"]["benchmarks"] == 3 and aa["audit"]["false_rejects"] == 0
+    assert audit(setup.run_dir).commits == 0  # the study's trace is a hash chain replay accepts
+    text = (setup.run_dir / "noise.md").read_text()
+    assert "A/A: 3 benchmarks, 0 false accepts" in text and "slow-4x: mean" in text and "detected slower in 2 of 2" in text
+    assert "NEVER IMPORTED: ['vllm/never_imported.py']" in text
+    assert json.loads((setup.run_dir / "noise.json").read_text())["summary"] == data["summary"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--aa", "1"], "at least 2 A/A benchmarks"),
+    (["--aa", "2", "--patch", "no-such.patch"], "patch file not found: no-such.patch"),
+    (["--aa", "-1"], "counts must be positive"),
+])
+def test_bad_study_options_are_one_clear_line(argv, message, tmp_path):
+    result = CliRunner().invoke(app, ["noise", *argv, "--runs-dir", str(tmp_path / "runs")])
+    assert result.exit_code == 2 and message in result.output
+    assert not (tmp_path / "runs").exists()
