@@ -170,10 +170,11 @@ def run_loop(setup, proposer, quiet: bool, sandbox=None, resume=None, worker_san
             if setup.task.sandbox.workers > 1:
                 from agent.run.parallel import Parallel
 
-                finished = Parallel(setup, proposer, on_event=view.update, sandbox_factory=worker_sandbox,
-                                    on_workers=view.show_workers, resume=resume).run()
+                runner = Parallel(setup, proposer, on_event=view.update, sandbox_factory=worker_sandbox,
+                                  on_workers=view.show_workers, resume=resume)
             else:
-                finished = Loop(setup, proposer, on_event=view.update, sandbox=sandbox, resume=resume).run()
+                runner = Loop(setup, proposer, on_event=view.update, sandbox=sandbox, resume=resume)
+            finished = runner.run()
     except NightshiftError as exc:
         write_summary(setup.run_dir)
         fail(f"run stopped at {exc.stage}: {exc} (the trace up to here: {trace}); the run can go on: "
@@ -189,7 +190,7 @@ def run_loop(setup, proposer, quiet: bool, sandbox=None, resume=None, worker_san
     console.print(f"finished: {finished.reason}; kept {finished.kept} of {finished.candidates}; "
                   f"cumulative speedup {finished.best_speedup:.3f}x; {finished.seconds:.0f}s"
                   + (f"; LLM spend ${finished.spend_usd:.4f}" if finished.spend_usd else ""))
-    if finished.reason.startswith("proposer failed"):
+    if runner.state.end.failed:
         raise typer.Exit(1)
 
 

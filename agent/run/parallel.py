@@ -14,15 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from agent.run.commits import commit_message
+from agent.run.commits import commit_keep
 from agent.run.reaping import reap_workers
 from agent.proposers.base import Attempt, ProposalContext, Proposer, ProposerExhausted
+from agent.run.state import End, RunState
 from agent.run.setup import RunSetup
 from agent.run.cluster import import_ray, preflight
 from agent.run.worker import Worker, WorkerResult, plain_setup
 from sandbox.local import reap_servers
-from traces.errors import end_reason, leaves_resumable
-from traces.schema import AnyEvent, Commit, Decision, Proposal, Remeasured, RunFinished
+from traces.schema import AnyEvent, Decision, Proposal, Remeasured, RunFinished
 
 if TYPE_CHECKING:
     from agent.run.resume import Resumption
@@ -52,12 +52,11 @@ class Parallel:
                  resume: Resumption | None = None):
         self.s, self.task, self.proposer, self.on_event = setup, setup.task, proposer, on_event
         self.sandbox_factory, self.on_workers, self.resume = sandbox_factory, on_workers, resume
-        self.history: list[Attempt] = list(resume.history) if resume else []
-        self.best_speedup, self.kept = (resume.best_speedup, resume.kept) if resume else (1.0, 0)
+        self.state = RunState.of(self.task, resume, self.gpu_hours)
         self.head = setup.workspace.head()
         self.redo: list[Proposal] = list(resume.redo) if resume else []
         """Candidates in flight when the run was killed, evaluated again before any new proposal."""
-        self.proposals: dict[int, Proposal] = {a.proposal.candidate: a.proposal for a in self.history}
+        self.proposals: dict[int, Proposal] = {a.proposal.candidate: a.proposal for a in self.state.history}
         self.proposals.update({p.candidate: p for p in self.redo})
         self.proposed_on: dict[int, str] = dict(resume.proposed_on) if resume else {}
         """The branch head each candidate was proposed on."""
@@ -67,7 +66,7 @@ class Parallel:
         self.slots: list[Slot] = []
         self.view: tuple[str, Path] | None = None
         """The branch head's tree, which proposers read."""
-        self.settled: set[int] = {a.proposal.candidate for a in self.history}
+        self.settled: set[int] = {a.proposal.candidate for a in self.state.history}
         self.spans: list[tuple[int, int, float, float]] = []
         """(worker, candidate, started, finished) of every evaluation, for the run's own accounting."""
 
@@ -96,28 +95,24 @@ class Parallel:
         return ray
 
     def run(self) -> RunFinished:
-        started, reason = time.time() - (self.resume.spent_s if self.resume else 0.0), "budget: candidates"
-        resumable = False
         try:
             self.emit(self.resume.event if self.resume else self.s.run_started())
             if self.resume:
                 self.resume.settle(self.s, self.emit)
                 self.head = self.s.workspace.head()
             if self.resume and self.resume.event.finishing:
-                reason = self.resume.event.finishing
+                self.state.end = End("finishing", self.resume.event.finishing)
             else:
                 ray = self.spawn()
                 self.start_workers(ray)
-                reason = self.schedule(ray, started) or reason
+                self.state.end = self.schedule(ray) or End("candidates")
         except BaseException as exc:
-            reason, resumable = end_reason(exc), leaves_resumable(exc)
+            self.state.failed(exc)
             raise
         finally:
             self.close()
-            finished = RunFinished(reason=reason, candidates=len(self.history), kept=self.kept,
-                                   best_speedup=self.best_speedup, head_commit=self.s.workspace.head(),
-                                   seconds=round(time.time() - started, 1), spend_usd=float(self.proposer.spend_usd),
-                                   gpu_hours=round(self.gpu_hours(), 4), resumable=resumable)
+            finished = self.state.finished(self.s.workspace.head(), float(self.proposer.spend_usd),
+                                           round(self.gpu_hours(), 4))
             self.emit(finished)
         return finished
 
@@ -136,21 +131,13 @@ class Parallel:
         busy = {slot.index for slot, _ in self.flight.values()}
         return [s for s in self.slots if s.ended is None and s.index not in busy and s.candidate not in self.results]
 
-    def over_budget(self, started: float) -> str:
-        b = self.task.budget
-        if time.time() - started > b.wall_clock_s:
-            return "budget: wall clock"
-        if b.max_gpu_hours and self.gpu_hours() > b.max_gpu_hours:
-            return "budget: GPU-hours"
-        return ""
-
-    def schedule(self, ray, started: float) -> str:
-        stop = ""
+    def schedule(self, ray) -> End | None:
+        stop = None
         while True:
             if not stop:
-                stop = self.over_budget(started) or self.fill()
+                stop = self.state.over_budget(None) or self.fill()
             if not self.flight:
-                return stop or ("workers: every worker died" if not self.live() else "")
+                return stop or (End("workers", "workers: every worker died") if not self.live() else None)
             ready, _ = ray.wait(list(self.flight), num_returns=1, timeout=1.0)
             self.on_workers(self.worker_rows())
             for ref in ready:
@@ -167,14 +154,14 @@ class Parallel:
     def live(self) -> list[Slot]:
         return [s for s in self.slots if s.ended is None]
 
-    def fill(self) -> str:
+    def fill(self) -> End | None:
         """One proposal per idle worker, none the same patch as another in flight."""
         for slot in self.idle():
             if self.redo:
                 self.submit(slot, self.redo.pop(0))
                 continue
-            if len(self.proposals) >= self.task.budget.max_candidates:
-                return "budget: candidates"
+            if end := self.state.over_budget(len(self.proposals)):
+                return end
             n = len(self.proposals) + 1
             in_flight = {patch_key(self.proposals[c]) for _, c in self.flight.values()}
             try:
@@ -183,14 +170,14 @@ class Parallel:
                     if patch_key(proposal) not in in_flight:
                         break
                 else:
-                    return ""
+                    return None
             except ProposerExhausted as exc:
-                return f"{'proposer failed' if exc.kind == 'fatal' else 'proposer exhausted'}: {exc}"
+                return End.of_proposer(exc)
             proposal.candidate = n
             self.proposals[n], self.proposed_on[n] = proposal, self.head
             self.emit(proposal)
             self.submit(slot, proposal)
-        return ""
+        return None
 
     def context(self, n: int) -> ProposalContext:
         if self.view is None or self.view[0] != self.head:
@@ -198,8 +185,8 @@ class Parallel:
                 self.s.workspace.remove(self.view[1])
             self.view = (self.head, self.s.workspace.worktree(f"head-{self.head[:12]}"))
         return ProposalContext(task=self.task, candidate=n, checkout=self.view[1],
-                               incumbent_args=self.incumbent_args(), history=list(self.history),
-                               best_speedup=self.best_speedup, branch_diff=self.s.branch_diff(), record=self.emit)
+                               incumbent_args=self.incumbent_args(), history=list(self.state.history),
+                               best_speedup=self.state.best_speedup, branch_diff=self.s.branch_diff(), record=self.emit)
 
     def incumbent_args(self) -> dict:
         from agent.run.workspace import serve_args_at
@@ -278,20 +265,16 @@ class Parallel:
 
     def observed(self, proposal: Proposal, decision: Decision) -> bool:
         attempt = Attempt(proposal=proposal, decision=decision)
-        self.history.append(attempt)
+        self.state.observe(attempt)
         self.proposer.observe(attempt)
         return True
 
     def commit(self, proposal: Proposal, decision: Decision, decision_sha: str, result: WorkerResult) -> None:
-        message = commit_message(self.task, self.s.run_id, proposal, decision, decision_sha, result.parity_digest,
-                                 result.audits, self.s.relaxed)
-        sha = self.s.workspace.commit(Path(result.tree), result.args, message)
-        self.emit(Commit(candidate=proposal.candidate, branch=self.s.workspace.branch, commit=sha,
-                         decision_sha256=decision_sha))
+        sha = commit_keep(self.s, proposal, decision, decision_sha, result.parity_digest, result.audits,
+                          Path(result.tree), result.args, self.emit)
         self.head = sha
         self.slots[result.worker].actor.adopt.remote(proposal.candidate, sha)
-        self.kept += 1
-        self.best_speedup *= decision.speedup
+        self.state.keep(decision.speedup)
 
     def close(self) -> None:
         if not self.slots:

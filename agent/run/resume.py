@@ -28,7 +28,7 @@ from agent.replay.chain import audit, resolve_run, stopped
 from agent.world.checkout import installed_vllm, open_checkout
 from agent.world.checkpoint import cache_root, prepare_model
 from agent.run.move import Arrival, is_pack, moved, place_checkout, refuse_if_alive_here, settled, unpack
-from agent.run.commits import commit_message
+from agent.run.commits import commit_keep
 from agent.run.relaxed import of_run
 from agent.proposers import Proposer, make_proposer
 from agent.proposers.base import Attempt
@@ -96,25 +96,21 @@ class Resumption:
         p, self.pending = self.pending, None
         if p is None:
             return
-        sha = p.found or make_commit(setup, p)
-        emit(Commit(candidate=p.proposal.candidate, branch=setup.workspace.branch, commit=sha,
-                    decision_sha256=p.decision.sha256))
-
-
-def make_commit(setup: RunSetup, p: PendingKeep) -> str:
-
-    head = setup.workspace.head()
-    if head != p.applied.parent_commit:
-        raise ResumeRefused(f"candidate {p.proposal.candidate} was kept on {p.applied.parent_commit[:12]}, but the "
-                            f"branch is at {head[:12]}")
-    tree = setup.workspace.worktree(f"commit-{p.proposal.candidate}")
-    try:
-        setup.workspace.apply(tree, p.proposal.patch)
-        message = commit_message(setup.task, setup.run_id, p.proposal, p.decision.event, p.decision.sha256,
-                                 p.parity_digest, p.audits, setup.relaxed)
-        return setup.workspace.commit(tree, p.applied.engine_args, message)
-    finally:
-        setup.workspace.remove(tree)
+        if p.found:
+            commit_keep(setup, p.proposal, p.decision.event, p.decision.sha256, p.parity_digest, p.audits, None,
+                        p.applied.engine_args, emit, found=p.found)
+            return
+        head = setup.workspace.head()
+        if head != p.applied.parent_commit:
+            raise ResumeRefused(f"candidate {p.proposal.candidate} was kept on {p.applied.parent_commit[:12]}, but the "
+                                f"branch is at {head[:12]}")
+        tree = setup.workspace.worktree(f"commit-{p.proposal.candidate}")
+        try:
+            setup.workspace.apply(tree, p.proposal.patch)
+            commit_keep(setup, p.proposal, p.decision.event, p.decision.sha256, p.parity_digest, p.audits, tree,
+                        p.applied.engine_args, emit)
+        finally:
+            setup.workspace.remove(tree)
 
 
 def read_for_resume(trace: Path) -> tuple[list[Record], bytes, int]:

@@ -1,6 +1,7 @@
 """One parallel worker: a GPU (or sandbox.gpus_per_candidate GPUs), its own reference and incumbent servers, and
-one Trial at a time there. It runs the Loop's own pipeline, but writes no trace: its events come back in a
-WorkerResult, and the coordinator (agent/run/parallel.py) appends them to the run's one hash chain."""
+one Trial at a time there. It runs the baseline phase and the Judge as the loop does, but writes no trace: its
+events come back in a WorkerResult, and the coordinator (agent/run/parallel.py) appends them to the run's one hash
+chain."""
 from __future__ import annotations
 
 import json
@@ -13,12 +14,12 @@ from typing import Callable
 
 import git
 
-from agent.stages.build import build
-from agent.run.loop import Loop
-from agent.run.pool import ServerRequest
+from agent.run.baseline import dedicated_parity, measure_baseline
+from agent.run.judge import Judge
+from agent.run.pool import ServerPool
 from agent.run.setup import RunSetup
 from agent.run.trial import Trial
-from agent.run.workspace import Workspace, serve_args_at
+from agent.run.workspace import Workspace
 from sandbox import make_sandbox
 from sandbox.host import process_identity
 from traces.schema import Decision, Proposal, TokenAudit
@@ -88,7 +89,9 @@ class Worker:
                               torch_version=plain["torch_version"], linked=plain["linked"],
                               cache_seed=Path(plain["cache_seed"]) if plain["cache_seed"] else None)
         sandbox = (sandbox_factory or make_sandbox)(task.sandbox, self.folder)
-        self.loop = Loop(self.setup, proposer=None, on_event=self.track, sandbox=sandbox)
+        self.pool = ServerPool(task, sandbox, self.setup.model.path, self.setup.run_id, self.setup.cache_seed,
+                               run_dir / "server_starts.jsonl")
+        self.judge: Judge | None = None
         self.candidate, self.stage, self.pending = 0, "starting", None
         self.status()
 
@@ -100,9 +103,11 @@ class Worker:
         tmp.write_text(json.dumps(record))
         tmp.replace(self.folder / "status.json")
 
-    def track(self, event) -> None:
+    def emit(self, event) -> str:
+        sha = self.setup.trace.append(event)
         self.stage = STAGE_OF.get(event.kind, self.stage)
         self.status()
+        return sha
 
     def drain(self) -> list:
         events, self.setup.trace.events = self.setup.trace.events, []
@@ -114,7 +119,10 @@ class Worker:
 
     def start(self, head: str) -> list:
         """The baseline phase on this worker's GPU; then its incumbent at `head`."""
-        self.loop.baseline()
+        baseline = measure_baseline(self.setup, self.pool, self.emit)
+        self.incumbent = baseline.incumbent
+        self.judge = Judge(self.setup, self.pool, baseline.reference, baseline.incumbent, baseline.calibration,
+                           dedicated_parity(self.setup), self.emit)
         if head != self.setup.base_commit:
             self.move(head)
         self.stage = "idle"
@@ -124,26 +132,13 @@ class Worker:
     def move(self, head: str) -> None:
         """Serve the incumbent at `head` (another worker's candidate was kept)."""
         self.setup.workspace.pinned = head
-        tree = self.setup.workspace.worktree(f"incumbent-{head[:12]}")
-        build(0, tree, [], bytecode_from=self.loop.pool.trusted, link=self.setup.linked)
-        args = serve_args_at(self.setup.repo, head) or dict(self.setup.task.engine.args)
-        server = self.loop.pool.start([ServerRequest(f"incumbent-{head[:12]}", tree, args)])[0]
-        self._replace_incumbent(server, args, tree)
-
-    def _replace_incumbent(self, server, args: dict, tree: Path) -> None:
-        from agent.run.loop import Incumbent
-
-        previous, self.loop.incumbent = self.loop.incumbent, Incumbent(server, dict(args), Path(tree))
-        if previous.server is not self.loop.reference:
-            self.loop.pool.release(previous.server)
-        if previous.tree != self.loop.pool.trusted:
-            self.setup.workspace.remove(previous.tree)
+        self.incumbent.restore(head, f"incumbent-{head[:12]}")
 
     def drop_pending(self) -> None:
         if self.pending is not None:
             server, tree, _ = self.pending
             self.pending = None
-            self.loop.pool.release(server)
+            self.pool.release(server)
             self.setup.workspace.remove(tree)
 
     def adopt(self, candidate: int, commit: str) -> None:
@@ -153,7 +148,7 @@ class Worker:
         server, tree, meta = self.pending
         self.pending = None
         self.setup.workspace.pinned = commit
-        self._replace_incumbent(server, meta["args"], tree)
+        self.incumbent.replace(server, meta["args"], tree)
 
     def evaluate(self, proposal: Proposal, head: str) -> WorkerResult:
         started = time.time()
@@ -163,11 +158,11 @@ class Worker:
         if head != self.head:
             self.stage = "start"
             self.move(head)
-        args = {**self.loop.incumbent.args, **proposal.engine_args}
+        args = {**self.incumbent.args, **proposal.engine_args}
         audits: list[TokenAudit] = []
         n = proposal.candidate
-        with Trial(n, self.loop.pool, self.setup.workspace, self.setup.task.budget.candidate_timeout_s) as trial:
-            decision, production, digest = self.loop.judge(trial, proposal, args, audits)
+        with Trial(n, self.pool, self.setup.workspace, self.setup.task.budget.candidate_timeout_s) as trial:
+            decision, production, digest = self.judge.judge(trial, proposal, args, audits)
             tree = trial.tree
             if decision.verdict == "keep":
                 server, tree = trial.hand_over(production)
@@ -182,6 +177,6 @@ class Worker:
         try:
             self.drop_pending()
         finally:
-            self.loop.pool.close()
+            self.pool.close()
         self.stage = "stopped"
         self.status()

@@ -4,32 +4,18 @@ the smallest speedup the configured repetitions can detect; a run that cannot se
 asks it to see says so before the first candidate."""
 from __future__ import annotations
 
-import asyncio
 import math
-import secrets
 
 import numpy as np
 from scipy import stats
 
 from agent.stages import bench
-from agent.run.pool import ServerRequest
 from agent.stages.stats import look_statistics, order_signs
 from agent.world.task import Task
-from traces.errors import NightshiftError
 from traces.schema import NoiseFloor
 
 POWER = 0.9
 """The probability at which an effect counts as detectable."""
-
-
-class NoiseFloorFailed(NightshiftError):
-    stage = "benchmark"
-
-
-def peer_requests(task: Task, tree, args: dict, dedicated: bool) -> list[ServerRequest]:
-    """The A/A's second production server, to start beside the baseline's. Without dedicated parity servers
-    the reference is one already (a production baseline started independently of the incumbent)."""
-    return [ServerRequest("baseline-aa", tree, args)] if task.benchmark.noise_floor and dedicated else []
 
 
 def _df(n: int) -> int:
@@ -86,25 +72,3 @@ def summarize(task: Task, samples, estimate) -> NoiseFloor:
                       speedup=estimate.speedup, ci_low=estimate.ci_low, ci_high=estimate.ci_high,
                       confidence=a.confidence, repetitions=n, mde_speedup=mde, max_repetitions=b.max_repetitions,
                       mde_speedup_max=mde_max, power=POWER, pairs_needed=needed, warning=warning)
-
-
-def measure(loop, started: list) -> NoiseFloor | None:
-    """The A/A of the run's baseline phase: the incumbent against `started` (the peer started for it) or the
-    reference; the peer started for it is released afterwards."""
-    task = loop.task
-    if not task.benchmark.noise_floor:
-        return None
-    fixed = task.model_copy(deep=True)
-    fixed.benchmark.max_repetitions = None
-    seeds = [secrets.randbits(63) for _ in range(task.benchmark.repetitions + 1)]
-    peer = started[0] if started else loop.reference
-    try:
-        result = asyncio.run(bench.compare(fixed, loop.incumbent.server, peer, loop.s.vocab_size, seeds))
-    except (bench.WorkMismatch, bench.HarnessBound, bench.IdleWork) as exc:
-        raise NoiseFloorFailed(f"the baseline's A/A benchmark failed: {exc}") from None
-    finally:
-        for server in started:
-            loop.pool.release(server)
-    event = summarize(task, result.samples, result.estimate)
-    loop.emit(event)
-    return event

@@ -1,10 +1,12 @@
 """The parity gate: greedy token ids must equal the reference's, position for position."""
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import secrets
 
-from agent.stages.completions import ANSWER_ERRORS, Completion, complete_all
+from agent.stages.completions import ANSWER_ERRORS, Completion, complete_all, draw_prompts
 from sandbox.base import Server
 from traces.errors import NightshiftError
 from traces.schema import Divergence, ParityReport
@@ -53,3 +55,11 @@ async def check_parity(candidate: int, reference: Server, subject: Server, promp
     divergence = first_divergence(expected, got, max_tokens)
     return ParityReport(candidate=candidate, ok=divergence is None, regime=regime, prompts=len(prompts),
                         tokens_per_prompt=max_tokens, digest=digest(prompts, got), divergence=divergence)
+
+
+def fresh_parity(task, vocab_size: int, reference: Server, candidate: int, subject: Server) -> ParityReport:
+    """The parity gate on freshly drawn prompts: `subject` against the reference, in the task's regime."""
+    p = task.parity
+    prompts = draw_prompts(secrets.randbits(63), p.num_prompts, p.input_len, vocab_size)
+    return asyncio.run(check_parity(candidate, reference, subject, prompts, p.max_tokens, p.regime,
+                                    task.benchmark.request_timeout_s))

@@ -12,7 +12,9 @@ import pytest
 from agent.stages import bench
 from agent.replay.chain import audit
 from agent.replay.evidence import check_decisions
-from agent.run.loop import AuditNotCalibrated, Loop, SetupNotDeterministic
+from agent.run.baseline import AuditNotCalibrated, SetupNotDeterministic
+from agent.run.judge import Judge
+from agent.run.loop import Loop
 from agent.stages.parity import ReferenceFailed
 from agent.face.report import write_summary
 from tests.stand_in import decisions, mode, new_file_patch, stopped_once
@@ -113,19 +115,18 @@ def test_near_tie_flips_where_honest_numerics_flip_none_are_rejected_by_rate(run
     assert finished.kept == 0 and audit(setup.run_dir).commits == 0
 
 
-def test_a_reference_that_dies_during_the_audit_stops_the_run_and_blames_no_one(run):
+def test_a_reference_that_dies_during_the_audit_stops_the_run_and_blames_no_one(run, monkeypatch):
     setup, loop = run({
         "1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster"),
     })
-    original = loop.audit
+    original = Judge.audit
 
-    def audit_after_the_reference_died(n, outputs, confirmation=0, calibration=False, control=None):
-        if not calibration:
-            loop.reference.process.kill()
-            loop.reference.process.wait()
-        return original(n, outputs, confirmation, calibration, control)
+    def audit_after_the_reference_died(judge, n, outputs, confirmation=0, control=None):  # a candidate's audit
+        judge.reference.process.kill()
+        judge.reference.process.wait()
+        return original(judge, n, outputs, confirmation, control)
 
-    loop.audit = audit_after_the_reference_died
+    monkeypatch.setattr(Judge, "audit", audit_after_the_reference_died)
     with pytest.raises(ReferenceFailed, match="failed while auditing tokens"):
         loop.run()
     kinds = [r.event.kind for r in read_trace(setup.run_dir / "trace.jsonl")]
@@ -284,8 +285,8 @@ def test_a_reference_that_stops_answering_ends_the_run_without_blaming_the_candi
     original_step = loop.step
 
     def step_after_the_reference_died(n):
-        loop.reference.process.kill()
-        loop.reference.process.wait()
+        loop.baseline.reference.process.kill()
+        loop.baseline.reference.process.wait()
         return original_step(n)
 
     loop.step = step_after_the_reference_died

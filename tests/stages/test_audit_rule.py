@@ -13,7 +13,7 @@ import pytest
 from agent.studies import audit_study
 from agent.replay.chain import audit
 from agent.replay.evidence import check_decisions
-from agent.run.loop import AuditNotCalibrated
+from agent.run.baseline import AuditNotCalibrated
 from agent.world.task import Audit, load_task
 from agent.stages.token_audit import EPSILON_NATS, judge
 from tests.stand_in import decisions, loop_maker, mode, new_file_patch, stand_in_checkout

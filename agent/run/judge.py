@@ -1,0 +1,179 @@
+"""The Judge: one candidate's stages, from the edit surface to the decision, each rejection typed with its stage.
+
+surface -> apply -> build -> start + parity -> benchmark (+ liveness, the roofline quarantine) -> audit -> decision,
+then each confirmation while it keeps passing. The candidate's worktree and servers belong to its Trial; the
+reference and the incumbent to the run (agent/run/baseline.py, agent/run/incumbent.py)."""
+from __future__ import annotations
+
+import asyncio
+import secrets
+from typing import Callable
+
+from agent.run.incumbent import Incumbent
+from agent.run.pool import ServerPool, ServerRequest, Starting
+from agent.run.setup import RunSetup
+from agent.run.trial import Trial
+from agent.run.workspace import ApplyError
+from agent.stages import bench, liveness
+from agent.stages.build import BuildError, build
+from agent.stages.completions import ANSWER_ERRORS
+from agent.stages.parity import fresh_parity
+from agent.stages.stats import accepts
+from agent.stages.surface import engine_args_violation, surface_violation
+from agent.stages.token_audit import audit_passed, describe, run_audit
+from sandbox.base import SandboxError, Server
+from sandbox.host import describe_snapshot, server_snapshot
+from traces.schema import BenchReport, Decision, PatchApplied, Proposal, SampleTaken, Stage, TokenAudit
+
+
+class Rejected(Exception):
+    def __init__(self, stage: Stage, reason: str, verdict: str = "discard"):
+        super().__init__(reason)
+        self.stage, self.reason, self.verdict = stage, reason, verdict
+
+
+def started(starting: Starting, index: int) -> Server:
+    """One of a trial's servers once it answers; a failed start is the candidate's crash at `start`."""
+    try:
+        return starting.get(index)
+    except SandboxError as exc:
+        raise Rejected("start", f"{exc}; log tail: {exc.logs[-1500:]}", "crash") from None
+
+
+class Judge:
+    def __init__(self, setup: RunSetup, pool: ServerPool, reference: Server, incumbent: Incumbent,
+                 calibration: TokenAudit | None, dedicated_parity: bool, emit: Callable):
+        self.s, self.task, self.pool, self.emit = setup, setup.task, pool, emit
+        self.reference, self.incumbent, self.calibration = reference, incumbent, calibration
+        self.dedicated_parity = dedicated_parity
+
+    def judge(self, trial: Trial, proposal: Proposal, args: dict, audits: list[TokenAudit]):
+        """Surface, apply, build, parity, benchmark and audit: the decision, the production server and parity digest."""
+        n, production, digest = trial.candidate, None, ""
+        try:
+            self.check_surface(proposal, args)
+            files = self.apply(trial, proposal, args)
+            self.build(n, trial.tree, files)
+            production, digest = self.check_parity(trial, args)
+            decision = self.evaluate(trial, production, files, audits)
+        except Rejected as rejected:
+            decision = Decision(candidate=n, verdict=rejected.verdict, stage=rejected.stage, reason=rejected.reason)
+        if trial.disarm():
+            decision = Decision(candidate=n, verdict="timeout", stage=decision.stage,
+                                reason=f"over budget.candidate_timeout_s ({self.task.budget.candidate_timeout_s:g}"
+                                       f" s), its servers killed; at {decision.stage}: {decision.reason}")
+        return decision, production, digest
+
+    def check_surface(self, proposal: Proposal, args: dict) -> None:
+        violation = (surface_violation(proposal.patch, self.task.edit_surface)
+                     or engine_args_violation(args, self.task.engine.args, self.task.edit_surface.engine_args))
+        if violation:
+            raise Rejected("surface", violation)
+
+    def apply(self, trial: Trial, proposal: Proposal, args: dict) -> list[str]:
+        tree = trial.worktree()
+        try:
+            files = self.s.workspace.apply(tree, proposal.patch)
+        except ApplyError as exc:
+            raise Rejected("apply", str(exc)) from None
+        self.emit(PatchApplied(candidate=trial.candidate, worktree=str(tree), parent_commit=self.s.workspace.head(),
+                               files=files, engine_args=args))
+        return files
+
+    def build(self, n: int, tree, files: list[str]) -> None:
+        try:
+            self.emit(build(n, tree, files, bytecode_from=self.pool.trusted, link=self.s.linked))
+        except BuildError as exc:
+            raise Rejected("build", str(exc)) from None
+
+    def check_parity(self, trial: Trial, args: dict) -> tuple[Server, str]:
+        """Parity on fresh prompts; returns the candidate's production server and the parity digest. With
+        dedicated parity servers (batch-invariant mode, say) the candidate's two servers start side by side,
+        parity is checked as soon as the parity server answers, and a failure calls off the production start."""
+        n = trial.candidate
+        requests = [ServerRequest(f"candidate-{n}", trial.tree, args)]
+        if self.dedicated_parity:
+            requests.insert(0, ServerRequest(f"candidate-{n}-parity", trial.tree, args, parity=True))
+        starting = trial.begin(requests)
+        try:
+            subject = started(starting, 0)
+            try:
+                report = fresh_parity(self.task, self.s.vocab_size, self.reference, n, subject)
+            except ANSWER_ERRORS as exc:
+                raise Rejected("parity", f"candidate failed to answer: {exc}", "crash") from None
+            self.emit(report)
+            if not report.ok:
+                d = report.divergence
+                raise Rejected("parity", f"prompt {d.prompt_index} diverges at token {d.position}: expected "
+                                         f"{d.expected}, got {d.got} ({d.got_len}/{d.expected_len} tokens)")
+            production = started(starting, len(requests) - 1)
+        except BaseException:
+            starting.cancel()
+            raise
+        if subject is not production:
+            trial.release(subject)
+        return production, report.digest
+
+    def evaluate(self, trial: Trial, server: Server, files: list[str], audits: list[TokenAudit]) -> Decision:
+        """The benchmark, its token audit and the decision; then each confirmation, while it keeps passing."""
+        for confirmation in range(self.task.acceptance.confirmations + 1):
+            report, outputs, control = self.benchmark(trial, server, files, confirmation)
+            if self.task.audit.enabled:
+                audits.append(self.audit(trial.candidate, outputs, confirmation, control))
+                if not audit_passed(audits[-1]):
+                    raise Rejected("audit", describe(audits[-1]))
+            decision = self.decide(report)
+            if decision.verdict != "keep":
+                break
+        return decision
+
+    def benchmark(self, trial: Trial, server: Server, files: list[str], confirmation: int, again: bool = False):
+        n = trial.candidate
+        seeds = [secrets.randbits(63) for _ in range(self.task.benchmark.repetitions + 1)]
+        try:
+            result = asyncio.run(bench.compare(
+                self.task, self.incumbent.server, server, self.s.vocab_size, seeds,
+                on_sample=lambda sample: self.emit(SampleTaken(candidate=n, sample=sample, confirmation=confirmation))))
+        except (bench.WorkMismatch, bench.HarnessBound, bench.IdleWork) as exc:
+            raise Rejected("benchmark", str(exc)) from None
+        except bench.PassFailed as exc:
+            if exc.role == "candidate":
+                raise Rejected("benchmark", f"{exc}; {describe_snapshot(server_snapshot(server))}", "crash") from None
+            self.incumbent.restart(n, confirmation, exc)
+            if again:  # the incumbent failed twice while this candidate ran beside it
+                raise Rejected("benchmark", f"{exc} (the second time beside this candidate)", "crash") from None
+            return self.benchmark(trial, server, files, confirmation, again=True)
+        except ANSWER_ERRORS as exc:
+            raise Rejected("benchmark", f"request failed: {exc}", "crash") from None
+        bench.save_passes(self.s.run_dir / "outputs", f"candidate-{n}-{confirmation}", result.passes)
+        proof = liveness.check(server, trial.tree, files)
+        report = bench.report(n, self.task, result.samples, result.estimate, proof, result.note, confirmation)
+        self.emit(report)
+        if proof.missing:
+            raise Rejected("liveness", f"patched files never imported by the server: {proof.missing}")
+        ceiling = self.task.benchmark.ceiling_tokens_per_s
+        fastest = max(getattr(s, report.metric) for s in result.samples if s.role == "candidate")
+        if ceiling and fastest > ceiling:
+            raise Rejected("benchmark", f"quarantined: {fastest:.0f} tok/s exceeds the roofline ceiling {ceiling:.0f}")
+        return report, result.outputs("candidate"), result.outputs("incumbent")
+
+    def audit(self, n: int, outputs, confirmation: int = 0, control=None) -> TokenAudit:
+        event = run_audit(n, self.reference, outputs, self.task.audit, self.task.benchmark.request_timeout_s,
+                          self.task.acceptance.confidence, control, self.calibration, confirmation)
+        self.emit(event)
+        return event
+
+    def decide(self, report: BenchReport) -> Decision:
+        a = self.task.acceptance
+        verdict = "keep" if accepts(report.ci_low, a.min_speedup) else "discard"
+        reason = (f"speedup {report.speedup:.3f}x, {a.confidence:.0%} interval [{report.ci_low:.3f}, "
+                  f"{report.ci_high:.3f}], p={report.p_value:.4f} against {a.min_speedup}x")
+        seq = report.sequential
+        if seq and len(seq.planned) > 1:
+            reason += f"; stopped ({seq.stopped}) at look {len(seq.looks)} of {len(seq.planned)}, {seq.looks[-1].pairs} pairs"
+        if verdict != "keep":
+            reason = f"not faster: {reason}"
+        if report.confirmation:
+            reason = f"confirmation {report.confirmation} of {a.confirmations}: {reason}"
+        return Decision(candidate=report.candidate, verdict=verdict, stage="decision", reason=reason,
+                        speedup=report.speedup, ci_low=report.ci_low, ci_high=report.ci_high)
