@@ -489,7 +489,7 @@ class LlmProposer:
             if self._profile_loader is not None:
                 self.profile = self._profile_loader(self.task)
             else:
-                from agent.studies.profile import load_or_run
+                from agent.proposers.profile import load_or_run
 
                 self.profile = load_or_run(self.task)
         except Exception as exc:  # a missing profile makes the prompt poorer, not the run impossible

@@ -10,7 +10,7 @@ from pathlib import Path
 import git
 
 from agent.replay.evidence import check_decisions
-from agent.run.workspace import SERVE_FILE
+from agent.world.serve_args import SERVE_FILE
 from traces import TraceError, read_trace
 from traces.errors import NightshiftError
 from traces.schema import Commit, Decision, PatchApplied, Record, Resumed, RunFinished, RunStarted

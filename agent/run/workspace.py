@@ -10,9 +10,9 @@ from typing import Iterator
 import git
 import yaml
 
+from agent.world.serve_args import SERVE_FILE
 from traces.errors import NightshiftError
 
-SERVE_FILE = "nightshift.serve.yaml"
 EXCLUDES = ["*.so", "*.pyd", "/vllm-*.dist-info/", "/.nightshift/", "__pycache__/"]
 
 

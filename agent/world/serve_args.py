@@ -19,6 +19,10 @@ from traces.errors import NightshiftError
 
 
 
+SERVE_FILE = "nightshift.serve.yaml"
+"""A kept commit's serving flags, in its tree: what `review`, `verify` and a resumed run serve it with."""
+
+
 class UnknownLever(NightshiftError):
     stage = "preflight"
 

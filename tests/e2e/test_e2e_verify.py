@@ -10,7 +10,7 @@ import git
 import pytest
 import yaml
 
-from agent.run.workspace import SERVE_FILE
+from agent.world.serve_args import SERVE_FILE
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]

@@ -17,7 +17,8 @@ from agent.proposers import make_proposer
 from agent.face.report import review_tables, write_summary
 from agent.run.setup import prepare_run
 from agent.world.task import load_task, with_overrides
-from agent.run.workspace import SERVE_FILE, serve_args_at
+from agent.run.workspace import serve_args_at
+from agent.world.serve_args import SERVE_FILE
 from traces import TraceError, read_trace
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ functions of vLLM by self and cumulative time: what the LLM proposer can edit) a
 torch.profiler (the top CPU ops). It runs in a child process with a timeout, once per
 (vLLM version, model, engine args, workload), and is cached as JSON under the nightshift cache.
 
-    python -m agent.studies.profile --task tasks/gemma4-tiny-cpu.yaml      # prints the summary
+    python -m agent.proposers.profile --task tasks/gemma4-tiny-cpu.yaml      # prints the summary
 """
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def load_or_run(task, model_path: Path | None = None, timeout_s: float = 900,
 def run_profile(request: dict[str, Any], timeout_s: float = 900) -> Profile:
     env = {**os.environ, **request["env"], "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     try:
-        proc = subprocess.run([sys.executable, "-m", "agent.studies.profile", "--child"], input=json.dumps(request),
+        proc = subprocess.run([sys.executable, "-m", "agent.proposers.profile", "--child"], input=json.dumps(request),
                               capture_output=True, text=True, timeout=timeout_s, env=env,
                               cwd=str(Path(__file__).resolve().parents[2]))
     except subprocess.TimeoutExpired:
