@@ -13,6 +13,7 @@ from agent.run.incumbent import Incumbent
 from agent.run.pool import ServerPool, ServerRequest
 from agent.run.setup import RunSetup
 from agent.stages import bench, noise
+from agent.stages.noise import NoiseFloorFailed
 from agent.stages.margins import served_margins
 from agent.stages.parity import fresh_parity
 from agent.stages.token_audit import calibration_refusal, run_audit
@@ -27,10 +28,6 @@ class SetupNotDeterministic(NightshiftError):
 
 class AuditNotCalibrated(NightshiftError):
     stage = "audit"
-
-
-class NoiseFloorFailed(NightshiftError):
-    stage = "benchmark"
 
 
 @dataclass

@@ -12,10 +12,15 @@ from scipy import stats
 from agent.stages import bench
 from agent.stages.stats import look_statistics, order_signs
 from agent.world.task import Task
+from traces.errors import NightshiftError
 from traces.schema import NoiseFloor
 
 POWER = 0.9
 """The probability at which an effect counts as detectable."""
+
+
+class NoiseFloorFailed(NightshiftError):
+    stage = "benchmark"
 
 
 def _df(n: int) -> int:
