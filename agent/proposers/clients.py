@@ -167,7 +167,7 @@ class OpenAIModel:
     that is down, silent or slow never hangs the run."""
 
     def __init__(self, base_url: str, model: str, api_key_env: str | None = "OPENAI_API_KEY",
-                 timeout_s: float = 120.0, extra_body: dict[str, Any] | None = None):
+                 timeout_s: float = 120.0, extra_body: dict[str, Any] | None = None, tool_choice: str = "auto"):
         import httpx
         import openai
 
@@ -176,10 +176,12 @@ class OpenAIModel:
         self.api_key_env = api_key_env
         self.timeout_s = float(timeout_s)
         self.extra_body = dict(extra_body or {})
+        self.tool_choice = tool_choice
+        """Sent with every request that offers tools; "auto" is the API's default and is not sent."""
         key = os.environ.get(api_key_env) if api_key_env else None
         self.redactor = Redactor([key])
         self.params = {"base_url": self.base_url, "api_key_env": api_key_env, "timeout_s": self.timeout_s,
-                       "stream": True}
+                       "stream": True, **({"tool_choice": tool_choice} if tool_choice != "auto" else {})}
         self._client = openai.OpenAI(
             base_url=self.base_url, api_key=key or "EMPTY", max_retries=0,
             timeout=httpx.Timeout(self.timeout_s, connect=min(10.0, self.timeout_s)),
@@ -205,6 +207,7 @@ class OpenAIModel:
                 model=self.name, messages=messages, temperature=temperature, max_tokens=max_tokens,
                 stream=True, stream_options={"include_usage": True}, extra_body=self.extra_body or None,
                 **({"tools": tools} if tools else {}),
+                **({"tool_choice": self.tool_choice} if tools and self.tool_choice != "auto" else {}),
             )
             try:
                 for chunk in stream:

@@ -85,7 +85,8 @@ class LlmProposer:
                  sleep: Callable[[float], None] | None = None):
         self.spec, self.task = spec, task
         self.model: Model = model if model is not None else OpenAIModel(
-            spec.base_url, spec.model, spec.api_key_env, timeout_s=spec.request_timeout_s)
+            spec.base_url, spec.model, spec.api_key_env, timeout_s=spec.request_timeout_s,
+            tool_choice=spec.tool_choice)
         self.price = Price(spec.price.input_per_mtok, spec.price.output_per_mtok)
         key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
         self.redactor = Redactor([key])

@@ -333,7 +333,27 @@ def parse_text_calls(text: str) -> list[dict[str, str]]:
             except ValueError:
                 arguments = rest.split("\n", 1)[0]
         calls.append({"id": f"text_{n}", "name": match.group(1), "arguments": arguments})
-    return calls[:1]  # one call a turn: the model sees each answer before it goes on
+    return (calls or json_calls(text))[:1]  # one call a turn: the model sees each answer before it goes on
+
+
+JSON_START = re.compile(r"\{\s*\"name\"\s*:")
+
+
+def json_calls(text: str) -> list[dict[str, str]]:
+    """Calls a model wrote as JSON objects in its text instead of through the tools API, the way small models
+    often do (`{"name": "read_file", "arguments": {...}}`, bare, fenced or in <tool_call> tags): each object with
+    a string `name` and an object (or JSON string) `arguments`, in order."""
+    calls: list[dict[str, str]] = []
+    for match in JSON_START.finditer(text):
+        try:
+            value, _ = json.JSONDecoder().raw_decode(text[match.start():])
+        except ValueError:
+            continue
+        name, arguments = value.get("name"), value.get("arguments", value.get("parameters", {}))
+        if isinstance(name, str) and isinstance(arguments, (dict, str)):
+            arguments = arguments if isinstance(arguments, str) else json.dumps(arguments)
+            calls.append({"id": f"text_{len(calls)}", "name": name, "arguments": arguments})
+    return calls
 
 
 # --------------------------------------------------------------------------------------------- helpers

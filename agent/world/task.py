@@ -272,6 +272,10 @@ class LlmProposer(Strict):
     `native` through the OpenAI tools API, `text` through a line protocol for endpoints without tools; `off`: one
     prompt of excerpts, one answer of edit blocks."""
     tool_budget: ToolBudget = Field(default_factory=ToolBudget)
+    tool_choice: Literal["auto", "required"] = "auto"
+    """With `tools: native`: `required` asks the endpoint to answer every turn with a tool call (vLLM constrains the
+    decoding to the tools' JSON schemas), so a model that would write its call as prose or a JSON block cannot;
+    `auto` lets it answer in text (such an answer is still read as a call when it holds one)."""
 
 
 ProposerSpec = Annotated[Union[FlagsProposer, QueueProposer, LlmProposer], Field(discriminator="kind")]

@@ -353,3 +353,44 @@ def test_an_endpoint_that_refuses_tools_gets_the_text_protocol(server, checkout,
     resumed = Run(tools_task(server.base_url), checkout)
     resumed.proposer.restore(read_trace(tmp_path / "trace.jsonl"))
     assert resumed.proposer.protocol == "text"
+
+
+# ------------------------------------------------------------------------------ small models' habits
+def test_a_call_written_as_json_in_the_text_is_carried_out(server, checkout, key):
+    """Small models (Qwen2.5-Coder-1.5B at vLLM's hermes parser, measured) often answer a tools request with the
+    call as a fenced JSON object in the text: it is read as the call, and goes through the same checks."""
+    fenced = '```json\n{\n  "name": "read_file",\n  "arguments": {"path": "vllm/v1/sample/sampler.py", "end": 7}\n}\n```'
+    hostile = '<tool_call>{"name": "read_file", "arguments": {"path": "../../etc/passwd"}}</tool_call>'
+    server.push({"text": fenced}, {"text": hostile}, *sampler_expert()[4:])
+    run = Run(tools_task(server.base_url), checkout)
+    run.propose()
+    calls = tool_events(run)
+    assert [(c.name, c.ok) for c in calls[:2]] == [("read_file", True), ("read_file", False)]
+    assert calls[0].result.startswith("1| ")
+    assert calls[1].result == "error: path: '../../etc/passwd' is not a path inside the checkout"
+    # the model sees each result as the answer to its call
+    second = server.requests[1]["body"]["messages"]
+    assert second[-2]["tool_calls"][0]["function"]["name"] == "read_file"
+    assert second[-1]["role"] == "tool" and second[-1]["content"] == calls[0].result
+
+
+def test_json_calls_in_text_only_when_they_are_calls():
+    assert parse_text_calls('{"name": "grep", "arguments": {"pattern": "x"}}') == [
+        {"id": "text_0", "name": "grep", "arguments": json.dumps({"pattern": "x"})}]
+    assert parse_text_calls('{"name": "grep", "parameters": {"pattern": "x"}}')[0]["arguments"] == '{"pattern": "x"}'
+    assert parse_text_calls('config = {"name": 3, "arguments": []}') == []
+    assert parse_text_calls('{"name": "grep", "arguments": {"pattern": ') == []  # cut off: no call
+    # CALL lines win over JSON in the same answer, and only one call is taken a turn
+    assert parse_text_calls('CALL list_dir {}\n{"name": "grep", "arguments": {}}')[0]["name"] == "list_dir"
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_tool_choice_required_is_sent_with_every_tools_request(server, checkout, key, choice):
+    server.push(*sampler_expert())
+    run = Run(tools_task(server.base_url, tool_choice=choice), checkout)
+    run.propose()
+    bodies = [r["body"] for r in server.requests]
+    assert len(bodies) == 5 and all("tools" in b for b in bodies)
+    assert [b.get("tool_choice") for b in bodies] == [None if choice == "auto" else "required"] * 5
+    params = next(e for e in run.events if isinstance(e, LlmCall)).params
+    assert params.get("tool_choice") == (None if choice == "auto" else "required")
