@@ -375,11 +375,17 @@ class LlmProposer:
                             seen=self._seen)
         budget = self.spec.tool_budget
         used, tokens, usd = 0, 0, 0.0  # used: tool calls carried out, and turns without one
+        answered: dict[str, int] = {}  # read-only calls already answered in this conversation: key -> call number
         spent = f"budget: {budget.calls} tool calls (tool_budget.calls) without an accepted proposal"
         while True:
-            worst = messages_tokens(convo.messages) + self.spec.max_tokens
             if used >= budget.calls:
                 return spent
+            room = self.spec.context_tokens - self.spec.max_tokens
+            if not tools.fit(convo.messages, room, messages_tokens):
+                return (f"context: the conversation needs about {messages_tokens(convo.messages)} tokens with its "
+                        f"earlier tool results elided, over proposer.context_tokens {self.spec.context_tokens} "
+                        f"less max_tokens {self.spec.max_tokens}")
+            worst = messages_tokens(convo.messages) + self.spec.max_tokens
             if budget.tokens is not None and tokens + worst > budget.tokens:
                 return (f"budget: {tokens} tokens used, the next turn may need {worst} of tool_budget.tokens "
                         f"{budget.tokens}, without an accepted proposal")
@@ -424,7 +430,13 @@ class LlmProposer:
                     result = tools.Result(f"skipped: {spent}", ok=False)
                 else:
                     used += 1
-                    result = box.call(call.get("name", ""), call.get("arguments", ""))
+                    key = tools.call_key(str(call.get("name", "")), call.get("arguments", ""))
+                    if key is not None and key in answered:
+                        result = tools.repeated(str(call.get("name", "")), answered[key])
+                    else:
+                        result = box.call(call.get("name", ""), call.get("arguments", ""))
+                        if key is not None and result.ok:
+                            answered[key] = used
                 self._record(ctx, ToolCall(candidate=ctx.candidate, call_id=str(call.get("id", "")),
                                            name=str(call.get("name", ""))[:100],
                                            arguments=self.redactor.text(str(call.get("arguments", "")))[:20_000],

@@ -356,6 +356,42 @@ def json_calls(text: str) -> list[dict[str, str]]:
     return calls
 
 
+# ------------------------------------------------------------------------------------ the conversation
+READ_ONLY = {"list_dir", "read_file", "grep", "profile", "notebook", "branch_diff"}
+ELIDED = "(elided to fit proposer.context_tokens: an earlier tool result; call the tool again if you need it)"
+
+
+def call_key(name: str, arguments: str | dict[str, Any] | None) -> str | None:
+    """The identity of a read-only call (its name and canonical arguments), or None for `propose` and arguments
+    that are not JSON: the same key twice in a conversation is the same answer twice."""
+    if name not in READ_ONLY:
+        return None
+    try:
+        value = json.loads(arguments) if isinstance(arguments, str) else (arguments or {})
+    except ValueError:
+        return None
+    return f"{name} {json.dumps(value, sort_keys=True)}"
+
+
+def repeated(name: str, turn: int) -> Result:
+    return Result(f"repeated: {name} with these arguments was answered at your tool call {turn}, above, and the "
+                  "tree has not changed. Read another range (read_file start/end), grep for something else, or call "
+                  "propose.", ok=False)
+
+
+def fit(messages: list[dict[str, Any]], limit: int, size: Callable[[list[dict[str, Any]]], int],
+        keep_last: int = 2) -> bool:
+    """Elide the oldest tool results (in place, never the opening messages or the last `keep_last`) until the
+    conversation's estimated size is within `limit`; False if it still is not."""
+    for message in messages[2:max(2, len(messages) - keep_last)]:
+        if size(messages) <= limit:
+            break
+        is_result = message.get("role") == "tool" or str(message.get("content") or "").startswith("RESULT ")
+        if is_result and message.get("content") != ELIDED:
+            message["content"] = ELIDED
+    return size(messages) <= limit
+
+
 # --------------------------------------------------------------------------------------------- helpers
 def _clip(text: str) -> str:
     if len(text) <= RESULT_CHARS:

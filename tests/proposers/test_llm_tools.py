@@ -394,3 +394,44 @@ def test_tool_choice_required_is_sent_with_every_tools_request(server, checkout,
     assert [b.get("tool_choice") for b in bodies] == [None if choice == "auto" else "required"] * 5
     params = next(e for e in run.events if isinstance(e, LlmCall)).params
     assert params.get("tool_choice") == (None if choice == "auto" else "required")
+
+
+def test_a_repeated_call_is_answered_by_a_pointer_not_again(server, checkout, key):
+    """Qwen2.5-Coder-1.5B at temperature 0 read the same 300 lines four times in a row until its context was full
+    (measured): the second identical read-only call gets a one-line pointer to the first answer."""
+    read = call("read_file", path="vllm/v1/sample/sampler.py", start=1, end=8)
+    server.push(*numbered([turn(read), turn(read), turn(call("read_file", path="vllm/v1/sample/sampler.py", end=8,
+                                                            start=1))]), *sampler_expert()[4:])
+    run = Run(tools_task(server.base_url), checkout)
+    run.propose()
+    calls = tool_events(run)
+    assert [c.name for c in calls] == ["read_file", "read_file", "read_file", "propose"]
+    assert calls[0].ok and calls[0].result.startswith("1| ")
+    for again in calls[1:3]:  # the same arguments in another order are the same call
+        assert not again.ok and again.result.startswith("repeated: read_file with these arguments was answered at "
+                                                        "your tool call 1, above")
+    assert calls[3].ok and "ACCEPTED" in calls[3].result
+
+
+def test_old_tool_results_are_elided_to_fit_the_context(server, checkout, key):
+    from agent.proposers.clients import messages_tokens
+    from agent.proposers.tools import ELIDED, fit
+
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    for n in range(4):
+        messages += [{"role": "assistant", "content": None, "tool_calls": [{"id": str(n)}]},
+                     {"role": "tool", "tool_call_id": str(n), "content": "x" * 3500}]
+    assert messages_tokens(messages) > 4000
+    assert fit(messages, 2500, messages_tokens)
+    contents = [m["content"] for m in messages if m["role"] == "tool"]
+    assert contents == [ELIDED] * 2 + ["x" * 3500] * 2  # the oldest go first, only as many as needed
+    assert not fit([{"role": "system", "content": "s" * 20000}, {"role": "user", "content": "u"}], 2500,
+                   messages_tokens)
+    # through the proposer: a conversation that cannot fit ends, named, and a fresh one starts
+    big = call("grep", pattern="def", path="vllm")
+    server.push(*numbered([turn(big)]), *sampler_expert())
+    run = Run(tools_task(server.base_url, context_tokens=1000, max_tokens=900), checkout)
+    with pytest.raises(ProposerExhausted):
+        run.propose()
+    invalid = [e for e in run.events if isinstance(e, ProposalInvalid)]
+    assert invalid and invalid[0].reason.startswith("context: the conversation needs about")
