@@ -15,6 +15,7 @@ blocks (SEARCH/REPLACE or FUNCTION), which are a `propose`.
 from __future__ import annotations
 
 import hashlib
+import ast
 import json
 import re
 import subprocess
@@ -46,8 +47,10 @@ class ListArgs(Args):
 
 class ReadArgs(Args):
     path: str = Field(description="a file, relative to the tree's root, e.g. vllm/v1/sample/sampler.py")
-    start: int = Field(1, ge=1, description="first line (1-based)")
-    end: int | None = Field(None, ge=1, description=f"last line (inclusive); at most {READ_LINES} lines are shown")
+    start: int | None = Field(None, ge=1, description="first line (1-based)")
+    end: int | None = Field(None, ge=1, description=f"last line (inclusive); at most {READ_LINES} lines are shown. "
+                            f"A Python file longer than that, read without start and end, is answered by its "
+                            f"outline: each class and def with its line")
 
 
 class GrepArgs(Args):
@@ -186,11 +189,18 @@ class Toolbox:
         rel, target = self._path(args.path)
         if not target.is_file():
             return Result(f"error: {rel} is not a file", ok=False)
-        lines = target.read_text(encoding="utf-8", errors="replace").splitlines()
-        start = min(args.start, max(len(lines), 1))
+        text = target.read_text(encoding="utf-8", errors="replace")
+        lines = text.splitlines()
+        if args.start is None and args.end is None and len(lines) > READ_LINES and rel.endswith(".py"):
+            outline = _outline(text)
+            if outline:
+                return Result(_clip(f"{rel}: {len(lines)} lines, more than one read shows ({READ_LINES}). Its "
+                                    f"classes and functions (line| definition); read one with start and end:\n"
+                                    + "\n".join(outline)))
+        start = min(args.start or 1, max(len(lines), 1))
         end = min(args.end or start + READ_LINES - 1, len(lines), start + READ_LINES - 1)
-        if args.end is not None and args.end < args.start:
-            return Result(f"error: end {args.end} is before start {args.start}", ok=False)
+        if args.end is not None and args.end < (args.start or 1):
+            return Result(f"error: end {args.end} is before start {args.start or 1}", ok=False)
         width = len(str(end))
         body = "\n".join(f"{n:>{width}}| {lines[n - 1]}" for n in range(start, end + 1))
         more = f"\n[lines {start}-{end} of {len(lines)}]" if (start, end) != (1, len(lines)) else ""
@@ -393,6 +403,33 @@ def fit(messages: list[dict[str, Any]], limit: int, size: Callable[[list[dict[st
 
 
 # --------------------------------------------------------------------------------------------- helpers
+OUTLINE_ENTRIES = 250
+
+
+def _outline(source: str) -> list[str]:
+    """`line| def name(...)` for each class, function and method (two levels deep), in file order; [] if the file
+    does not parse."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    out: list[str] = []
+
+    def visit(nodes: list[ast.stmt], depth: int) -> None:
+        for node in nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                kind = "class" if isinstance(node, ast.ClassDef) else "def"
+                out.append(f"{node.lineno:>6}| {'    ' * depth}{kind} {node.name}"
+                           + (f"  (to {node.end_lineno})" if node.end_lineno else ""))
+                if depth < 1:
+                    visit(node.body, depth + 1)
+
+    visit(tree.body, 0)
+    if len(out) > OUTLINE_ENTRIES:
+        out = out[:OUTLINE_ENTRIES] + [f"   ... and {len(out) - OUTLINE_ENTRIES} more: grep for a name"]
+    return out
+
+
 def _clip(text: str) -> str:
     if len(text) <= RESULT_CHARS:
         return text

@@ -435,3 +435,22 @@ def test_old_tool_results_are_elided_to_fit_the_context(server, checkout, key):
         run.propose()
     invalid = [e for e in run.events if isinstance(e, ProposalInvalid)]
     assert invalid and invalid[0].reason.startswith("context: the conversation needs about")
+
+
+def test_a_long_python_file_read_whole_is_answered_by_its_outline(checkout):
+    """Qwen2.5-Coder-1.5B opened a 7,255-line file at line 1 and read imports (measured): a Python file longer than
+    one read, asked for without a range, is answered by its classes and functions with their lines."""
+    body = "".join(f"# filler {n}\n" for n in range(400))
+    body += "class Runner:\n    def step(self, x):\n        return x\n\n\ndef helper():\n    return 1\n"
+    (checkout / "vllm" / "v1" / "big.py").write_text(body)
+    tools = box(checkout)
+    outline = tools.call("read_file", {"path": "vllm/v1/big.py"})
+    assert outline.ok and outline.text.splitlines() == [
+        "vllm/v1/big.py: 407 lines, more than one read shows (300). Its classes and functions (line| definition); "
+        "read one with start and end:",
+        "   401| class Runner  (to 403)", "   402|     def step  (to 403)", "   406| def helper  (to 407)"]
+    assert tools.call("read_file", {"path": "vllm/v1/big.py", "start": 401, "end": 402}).text == (
+        "401| class Runner:\n402|     def step(self, x):\n[lines 401-402 of 407]")
+    assert tools.call("read_file", {"path": "vllm/v1/big.py", "end": 2}).text.startswith("1| # filler 0\n")
+    (checkout / "vllm" / "v1" / "broken.py").write_text(body + "def (:\n")  # does not parse: the first lines
+    assert tools.call("read_file", {"path": "vllm/v1/broken.py"}).text.startswith("  1| # filler 0\n")
