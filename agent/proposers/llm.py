@@ -51,6 +51,8 @@ from traces.schema import AnyEvent, Decision, LlmCall, NotebookEntry, Proposal, 
 
 EXCERPT_LINES = 160
 RETRY_TEMPERATURE = 0.7
+CALLS_LEFT_NOTE = 3
+"""The last this many tool calls of a conversation's budget are counted down in the answers."""
 FOLLOW_UPS = 1
 """Follow-up turns after unusable answers in one conversation before a fresh one."""
 TEXT_FALLBACK = " (tools are offered as text from now on)"
@@ -437,6 +439,11 @@ class LlmProposer:
                         result = box.call(call.get("name", ""), call.get("arguments", ""))
                         if key is not None and result.ok:
                             answered[key] = used
+                    left = budget.calls - used
+                    if result.patch is None and 0 < left <= CALLS_LEFT_NOTE:
+                        result = tools.Result(f"{result.text}\n[{left} tool call{'s' * (left > 1)} left in this "
+                                              "conversation: call propose with your change before they run out]",
+                                              ok=result.ok)
                 self._record(ctx, ToolCall(candidate=ctx.candidate, call_id=str(call.get("id", "")),
                                            name=str(call.get("name", ""))[:100],
                                            arguments=self.redactor.text(str(call.get("arguments", "")))[:20_000],
