@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from agent.proposers.edits import (
     Edit, EditError, Files, Patch, apply_edit, check_applies, checked_path, compile_errors, parse_edits, summary_of,
@@ -83,6 +83,29 @@ class ProposeArgs(Args):
     edits: list[SearchReplace] = Field(default_factory=list)
     functions: list[FunctionReplace] = Field(default_factory=list)
     blocks: str = Field("", description="alternatively, SEARCH/REPLACE or FUNCTION blocks as text")
+
+    @model_validator(mode="before")
+    @classmethod
+    def unambiguous_shapes(cls, data: Any) -> Any:
+        """Shapes small models send that can mean one thing only (Qwen2.5-Coder-1.5B sent
+        `edits: {"functions": [...]}`): a lone edit object is a list of one, and `edits` holding `edits`/`functions`
+        lists is those lists. Anything else is left to the schema, which names the problem."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        nested = data.get("edits")
+        if isinstance(nested, dict) and nested and set(nested) <= {"edits", "functions"}:
+            data.pop("edits")
+            for key, value in nested.items():
+                mine = data.get(key) or []
+                if isinstance(mine, list) and isinstance(value, list):
+                    data[key] = [*mine, *value]
+                else:
+                    return {**data, "edits": nested}  # not unambiguous: let the schema say so
+        for key in ("edits", "functions"):
+            if isinstance(data.get(key), dict) and "path" in data[key]:
+                data[key] = [data[key]]
+        return data
 
 
 TOOLS: dict[str, tuple[type[Args], str]] = {

@@ -460,3 +460,16 @@ def test_a_long_python_file_read_whole_is_answered_by_its_outline(checkout):
     assert tools.call("read_file", {"path": "vllm/v1/big.py", "end": 2}).text.startswith("1| # filler 0\n")
     (checkout / "vllm" / "v1" / "broken.py").write_text(body + "def (:\n")  # does not parse: the first lines
     assert tools.call("read_file", {"path": "vllm/v1/broken.py"}).text.startswith("  1| # filler 0\n")
+
+
+def test_propose_arguments_of_an_unambiguous_wrong_shape_are_read_as_meant(checkout):
+    """Qwen2.5-Coder-1.5B sent `edits: {"functions": [...]}` (measured): shapes that can mean one thing are read as
+    that thing and checked as usual; an ambiguous one is refused by the schema, named."""
+    code = "def greedy(logits):\n    return logits.argmax(dim=-1)\n"
+    function = {"path": "vllm/v1/sample/sampler.py", "name": "greedy", "code": code}
+    for shape in ({"edits": {"functions": [function]}}, {"functions": function}):
+        result = box(checkout).call("propose", {"summary": "argmax of the logits", **shape})
+        assert result.ok and result.patch is not None and "ACCEPTED" in result.text, result.text
+    refused = box(checkout).call("propose", {"summary": "s", "edits": {"functions": function, "x": 1}})
+    assert not refused.ok and refused.text.startswith("error: bad arguments for propose: edits: Input should be a "
+                                                      "valid list")
