@@ -437,7 +437,7 @@ class LlmProposer:
                         result = tools.repeated(str(call.get("name", "")), answered[key])
                     else:
                         result = box.call(call.get("name", ""), call.get("arguments", ""))
-                        if key is not None and result.ok:
+                        if key is not None:  # an error is the same error again
                             answered[key] = used
                     left = budget.calls - used
                     if result.patch is None and 0 < left <= CALLS_LEFT_NOTE:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import ast
 import json
+import posixpath
 import re
 import subprocess
 from dataclasses import dataclass, field
@@ -403,13 +404,17 @@ def call_key(name: str, arguments: str | dict[str, Any] | None) -> str | None:
         value = json.loads(arguments) if isinstance(arguments, str) else (arguments or {})
     except ValueError:
         return None
+    if not isinstance(value, dict):
+        return None
+    if isinstance(value.get("path"), str):  # "./vllm/" and "vllm" are one folder
+        value = {**value, "path": posixpath.normpath(value["path"].strip() or ".")}
     return f"{name} {json.dumps(value, sort_keys=True)}"
 
 
 def repeated(name: str, turn: int) -> Result:
     return Result(f"repeated: {name} with these arguments was answered at your tool call {turn}, above, and the "
-                  "tree has not changed. Read another range (read_file start/end), grep for something else, or call "
-                  "propose.", ok=False)
+                  "tree has not changed. Read another range (read_file start/end), list a folder, grep for something "
+                  "else, or call propose.", ok=False)
 
 
 def fit(messages: list[dict[str, Any]], limit: int, size: Callable[[list[dict[str, Any]]], int],

@@ -419,6 +419,20 @@ def test_a_repeated_call_is_answered_by_a_pointer_not_again(server, checkout, ke
     assert calls[3].ok and "ACCEPTED" in calls[3].result
 
 
+def test_the_same_failing_call_and_the_same_folder_spelled_otherwise_are_repeats(server, checkout, key):
+    """Measured on the 1.5B: eight reads in a row of a file that does not exist, and `list_dir .` then `./`."""
+    missing = call("read_file", path="vllm/model_executor/layers/prepare_input_ids.py")
+    server.push(*numbered([turn(missing), turn(missing), turn(call("list_dir", path=".")),
+                           turn(call("list_dir", path="./"))]), *sampler_expert()[4:])
+    run = Run(tools_task(server.base_url), checkout)
+    run.propose()
+    calls = tool_events(run)
+    assert calls[0].result == "error: vllm/model_executor/layers/prepare_input_ids.py is not a file"
+    assert calls[1].result.startswith("repeated: read_file with these arguments was answered at your tool call 1")
+    assert calls[2].ok and calls[3].result.startswith("repeated: list_dir with these arguments was answered at your "
+                                                      "tool call 3")
+
+
 def test_old_tool_results_are_elided_to_fit_the_context(server, checkout, key):
     from agent.proposers.clients import messages_tokens
     from agent.proposers.tools import ELIDED, fit
