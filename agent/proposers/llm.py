@@ -53,6 +53,9 @@ EXCERPT_LINES = 160
 RETRY_TEMPERATURE = 0.7
 CALLS_LEFT_NOTE = 3
 """The last this many tool calls of a conversation's budget are counted down in the answers."""
+STUCK_REPEATS = 3
+"""A conversation whose model repeats an earlier call this many times in a row ends (at temperature 0 it would
+repeat it to the end of its budget); the next one starts at RETRY_TEMPERATURE."""
 FOLLOW_UPS = 1
 """Follow-up turns after unusable answers in one conversation before a fresh one."""
 TEXT_FALLBACK = " (tools are offered as text from now on)"
@@ -378,6 +381,7 @@ class LlmProposer:
         budget = self.spec.tool_budget
         used, tokens, usd = 0, 0, 0.0  # used: tool calls carried out, and turns without one
         answered: dict[str, int] = {}  # read-only calls already answered in this conversation: key -> call number
+        repeats = 0  # repeated calls in a row
         spent = f"budget: {budget.calls} tool calls (tool_budget.calls) without an accepted proposal"
         while True:
             if used >= budget.calls:
@@ -435,7 +439,9 @@ class LlmProposer:
                     key = tools.call_key(str(call.get("name", "")), call.get("arguments", ""))
                     if key is not None and key in answered:
                         result = tools.repeated(str(call.get("name", "")), answered[key])
+                        repeats += 1
                     else:
+                        repeats = 0
                         result = box.call(call.get("name", ""), call.get("arguments", ""))
                         if key is not None:  # an error is the same error again
                             answered[key] = used
@@ -454,6 +460,9 @@ class LlmProposer:
                     accepted = result
             if accepted is not None:
                 return accepted
+            if repeats >= STUCK_REPEATS:
+                return (f"stuck: {repeats} repeated tool calls in a row (the same arguments as an earlier call); a "
+                        "fresh conversation starts warmer")
 
     def _assistant(self, text: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
         if self.protocol != "native" or not calls:

@@ -202,7 +202,8 @@ def test_bad_arguments_through_the_loop_are_recorded_and_the_model_goes_on(serve
 
 
 def test_an_endless_tool_loop_ends_at_the_budget(server, checkout, key):
-    server.default = turn(call("list_dir", path="vllm"))
+    reads = [turn(call("read_file", path="vllm/v1/sample/sampler.py", start=n)) for n in range(1, 10)]
+    server.push(*[turn(call("list_dir", path="vllm"))] * 3, *reads)  # never 3 repeats in a row: never stuck
     run = Run(tools_task(server.base_url, attempts_per_proposal=2, tool_budget={"calls": 6}), checkout)
     with pytest.raises(ProposerExhausted, match="2 LLM conversations in a row ended without a proposal; the last: "
                                                 "budget: 6 tool calls"):
@@ -213,7 +214,8 @@ def test_an_endless_tool_loop_ends_at_the_budget(server, checkout, key):
     assert len(server.requests[6]["body"]["messages"]) == 2  # the second conversation started afresh, warmer
     assert [r["body"]["temperature"] for r in server.requests] == [0.0] * 6 + [0.7] * 6
     first = tool_events(run)[:6]  # the same call again is a pointer, and the last calls are counted down
-    assert first[0].ok and all(c.result.startswith("repeated: list_dir") for c in first[1:])
+    assert first[0].ok and all(c.result.startswith("repeated: list_dir") for c in first[1:3])
+    assert all(c.ok for c in first[3:])
     assert [c.result.rsplit("\n", 1)[-1] for c in first[2:5]] == [
         f"[{n} tool call{'s' * (n > 1)} left in this conversation: call propose with your change before they run "
         "out]" for n in (3, 2, 1)]
@@ -417,6 +419,19 @@ def test_a_repeated_call_is_answered_by_a_pointer_not_again(server, checkout, ke
         assert not again.ok and again.result.startswith("repeated: read_file with these arguments was answered at "
                                                         "your tool call 1, above")
     assert calls[3].ok and "ACCEPTED" in calls[3].result
+
+
+def test_a_model_stuck_on_one_call_ends_its_conversation_and_the_next_starts_warmer(server, checkout, key):
+    """The 1.5B read one missing file 18 times in a row at temperature 0 (measured): 3 repeats in a row end it."""
+    missing = call("read_file", path="vllm/missing.py")
+    server.push(*numbered([turn(missing)] * 4), *sampler_expert())
+    run = Run(tools_task(server.base_url, tool_budget={"calls": 20}), checkout)
+    proposal = run.propose()
+    invalid = [e for e in run.events if isinstance(e, ProposalInvalid)]
+    assert [e.reason for e in invalid] == ["stuck: 3 repeated tool calls in a row (the same arguments as an earlier "
+                                           "call); a fresh conversation starts warmer"]
+    assert len(server.requests) == 4 + 5 and server.requests[4]["body"]["temperature"] == 0.7
+    assert proposal.summary.startswith("skip the softmax")
 
 
 def test_the_same_failing_call_and_the_same_folder_spelled_otherwise_are_repeats(server, checkout, key):
