@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agent.proposers.edits import (
     Edit, EditError, Files, Patch, apply_edit, check_applies, checked_path, compile_errors, parse_edits, summary_of,
@@ -57,7 +57,13 @@ class ReadArgs(Args):
 class GrepArgs(Args):
     pattern: str = Field(min_length=1, max_length=300, description="a regular expression (POSIX extended)")
     path: str = Field(".", description="a folder or file to search under")
-    max_results: int = Field(50, ge=1, le=200)
+    max_results: int = Field(50, ge=1, le=200, description="at most 200; more is read as 200")
+
+    @field_validator("max_results", mode="before")
+    @classmethod
+    def at_most_the_cap(cls, value: Any) -> Any:
+        """Asking for more results than the cap means the cap (the 1.5B asked for 300, twice)."""
+        return min(value, 200) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 class NoArgs(Args):

@@ -499,6 +499,9 @@ def test_propose_arguments_of_an_unambiguous_wrong_shape_are_read_as_meant(check
     for shape in ({"edits": {"functions": [function]}}, {"functions": function}):
         result = box(checkout).call("propose", {"summary": "argmax of the logits", **shape})
         assert result.ok and result.patch is not None and "ACCEPTED" in result.text, result.text
+    many = box(checkout).call("grep", {"pattern": "def ", "path": "vllm", "max_results": 300})  # asked by the 1.5B
+    assert many.ok and "sampler.py" in many.text
+    assert "greater than or equal to 1" in box(checkout).call("grep", {"pattern": "a", "max_results": 0}).text
     refused = box(checkout).call("propose", {"summary": "s", "edits": {"functions": function, "x": 1}})
     assert not refused.ok and refused.text.startswith("error: bad arguments for propose: edits: Input should be a "
                                                       "valid list")
