@@ -95,8 +95,9 @@ class ProposeArgs(Args):
     @classmethod
     def unambiguous_shapes(cls, data: Any) -> Any:
         """Shapes small models send that can mean one thing only (Qwen2.5-Coder-1.5B sent
-        `edits: {"functions": [...]}`): a lone edit object is a list of one, and `edits` holding `edits`/`functions`
-        lists is those lists. Anything else is left to the schema, which names the problem."""
+        `edits: {"functions": [...]}` and `edits: [{path, name, code}]`): a lone edit object is a list of one,
+        `edits` holding `edits`/`functions` lists is those lists, and an item of `edits` with a name and code and no
+        search or replace is a function replacement. Anything else is left to the schema, which names the problem."""
         if not isinstance(data, dict):
             return data
         data = dict(data)
@@ -112,6 +113,13 @@ class ProposeArgs(Args):
         for key in ("edits", "functions"):
             if isinstance(data.get(key), dict) and "path" in data[key]:
                 data[key] = [data[key]]
+        edits = data.get("edits")
+        if isinstance(edits, list):  # a whole-function replacement sent among the edits (name and code, no search)
+            moved = [e for e in edits if isinstance(e, dict) and {"name", "code"} <= set(e)
+                     and not {"search", "replace"} & set(e)]
+            if moved and isinstance(data.get("functions") or [], list):
+                data["edits"] = [e for e in edits if not any(e is m for m in moved)]
+                data["functions"] = [*(data.get("functions") or []), *moved]
         return data
 
 

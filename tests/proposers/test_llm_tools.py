@@ -496,7 +496,7 @@ def test_propose_arguments_of_an_unambiguous_wrong_shape_are_read_as_meant(check
     that thing and checked as usual; an ambiguous one is refused by the schema, named."""
     code = "def greedy(logits):\n    return logits.argmax(dim=-1)\n"
     function = {"path": "vllm/v1/sample/sampler.py", "name": "greedy", "code": code}
-    for shape in ({"edits": {"functions": [function]}}, {"functions": function}):
+    for shape in ({"edits": {"functions": [function]}}, {"functions": function}, {"edits": [function]}):
         result = box(checkout).call("propose", {"summary": "argmax of the logits", **shape})
         assert result.ok and result.patch is not None and "ACCEPTED" in result.text, result.text
     many = box(checkout).call("grep", {"pattern": "def ", "path": "vllm", "max_results": 300})  # asked by the 1.5B
