@@ -82,10 +82,15 @@ class FunctionReplace(Args):
     code: str = Field(description="the complete new definition (decorators included), nothing else")
 
 
+TEXT_FIELDS = {"summary": 300, "hypothesis": 2000, "plan": 200}
+"""The free-text fields of `propose` and their lengths; a longer one is clipped."""
+
+
 class ProposeArgs(Args):
-    summary: str = Field(min_length=1, max_length=300, description="what the change does, one line")
-    hypothesis: str = Field("", max_length=2000, description="why it should be faster and give the same tokens")
-    plan: str = Field("", max_length=200, description="what this is: a new hot spot, a refinement of a near miss "
+    summary: str = Field(min_length=1, max_length=TEXT_FIELDS["summary"], description="what the change does, one line")
+    hypothesis: str = Field("", max_length=TEXT_FIELDS["hypothesis"],
+                            description="why it should be faster and give the same tokens")
+    plan: str = Field("", max_length=TEXT_FIELDS["plan"], description="what this is: a new hot spot, a refinement of a near miss "
                                                      "(name the candidate), or a repair (name the candidate)")
     edits: list[SearchReplace] = Field(default_factory=list)
     functions: list[FunctionReplace] = Field(default_factory=list)
@@ -101,6 +106,9 @@ class ProposeArgs(Args):
         if not isinstance(data, dict):
             return data
         data = dict(data)
+        for key, most in TEXT_FIELDS.items():  # prose about the change, not the change: clipped, never refused
+            if isinstance(data.get(key), str) and len(data[key]) > most:
+                data[key] = data[key][:most - 3] + "..."
         nested = data.get("edits")
         if isinstance(nested, dict) and nested and set(nested) <= {"edits", "functions"}:
             data.pop("edits")

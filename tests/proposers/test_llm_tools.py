@@ -499,6 +499,8 @@ def test_propose_arguments_of_an_unambiguous_wrong_shape_are_read_as_meant(check
     for shape in ({"edits": {"functions": [function]}}, {"functions": function}, {"edits": [function]}):
         result = box(checkout).call("propose", {"summary": "argmax of the logits", **shape})
         assert result.ok and result.patch is not None and "ACCEPTED" in result.text, result.text
+    long_plan = box(checkout).call("propose", {"summary": "argmax", "plan": "p" * 330, "functions": [function]})
+    assert long_plan.ok and long_plan.plan == "p" * 197 + "..."  # the 1.5B's plan ran to 330 characters
     many = box(checkout).call("grep", {"pattern": "def ", "path": "vllm", "max_results": 300})  # asked by the 1.5B
     assert many.ok and "sampler.py" in many.text
     assert "greater than or equal to 1" in box(checkout).call("grep", {"pattern": "a", "max_results": 0}).text
