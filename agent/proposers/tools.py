@@ -14,8 +14,8 @@ blocks (SEARCH/REPLACE or FUNCTION), which are a `propose`.
 """
 from __future__ import annotations
 
-import hashlib
 import ast
+import hashlib
 import json
 import posixpath
 import re
@@ -54,16 +54,19 @@ class ReadArgs(Args):
                             f"outline: each class and def with its line")
 
 
+GREP_MAX = 200
+
+
 class GrepArgs(Args):
     pattern: str = Field(min_length=1, max_length=300, description="a regular expression (POSIX extended)")
     path: str = Field(".", description="a folder or file to search under")
-    max_results: int = Field(50, ge=1, le=200, description="at most 200; more is read as 200")
+    max_results: int = Field(50, ge=1, le=GREP_MAX, description=f"at most {GREP_MAX}; more is read as {GREP_MAX}")
 
     @field_validator("max_results", mode="before")
     @classmethod
     def at_most_the_cap(cls, value: Any) -> Any:
         """Asking for more results than the cap means the cap (the 1.5B asked for 300, twice)."""
-        return min(value, 200) if isinstance(value, int) and not isinstance(value, bool) else value
+        return min(value, GREP_MAX) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 class NoArgs(Args):
@@ -87,11 +90,13 @@ TEXT_FIELDS = {"summary": 300, "hypothesis": 2000, "plan": 200}
 
 
 class ProposeArgs(Args):
-    summary: str = Field(min_length=1, max_length=TEXT_FIELDS["summary"], description="what the change does, one line")
+    summary: str = Field(min_length=1, max_length=TEXT_FIELDS["summary"],
+                         description="what the change does, one line")
     hypothesis: str = Field("", max_length=TEXT_FIELDS["hypothesis"],
                             description="why it should be faster and give the same tokens")
-    plan: str = Field("", max_length=TEXT_FIELDS["plan"], description="what this is: a new hot spot, a refinement of a near miss "
-                                                     "(name the candidate), or a repair (name the candidate)")
+    plan: str = Field("", max_length=TEXT_FIELDS["plan"],
+                      description="what this is: a new hot spot, a refinement of a near miss (name the candidate), "
+                                  "or a repair (name the candidate)")
     edits: list[SearchReplace] = Field(default_factory=list)
     functions: list[FunctionReplace] = Field(default_factory=list)
     blocks: str = Field("", description="alternatively, SEARCH/REPLACE or FUNCTION blocks as text")
@@ -123,10 +128,12 @@ class ProposeArgs(Args):
                 data[key] = [data[key]]
         edits = data.get("edits")
         if isinstance(edits, list):  # a whole-function replacement sent among the edits (name and code, no search)
-            moved = [e for e in edits if isinstance(e, dict) and {"name", "code"} <= set(e)
-                     and not {"search", "replace"} & set(e)]
+            def is_function(e: Any) -> bool:
+                return isinstance(e, dict) and {"name", "code"} <= set(e) and not {"search", "replace"} & set(e)
+
+            moved = [e for e in edits if is_function(e)]
             if moved and isinstance(data.get("functions") or [], list):
-                data["edits"] = [e for e in edits if not any(e is m for m in moved)]
+                data["edits"] = [e for e in edits if not is_function(e)]
                 data["functions"] = [*(data.get("functions") or []), *moved]
         return data
 
@@ -413,7 +420,7 @@ def json_calls(text: str) -> list[dict[str, str]]:
 
 
 # ------------------------------------------------------------------------------------ the conversation
-READ_ONLY = {"list_dir", "read_file", "grep", "profile", "notebook", "branch_diff"}
+READ_ONLY = set(TOOLS) - {"propose"}
 ELIDED = "(elided to fit proposer.context_tokens: an earlier tool result; call the tool again if you need it)"
 
 
