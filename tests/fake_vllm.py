@@ -13,6 +13,8 @@ patch can turn it into a faster, cheating or nondeterministic candidate:
   batched - exact while one request is in flight, wrong tokens (the right number) when several are
   neartie - like batched, but under concurrency it takes the second most likely token only where the
             margin is below `near_tie` nats (batching that changes numerics at near-ties)
+  reordered - a change close to exact: where the margin is below `near_tie` nats it takes the second token,
+            alone or batched, as a kernel that sums in another order does (tasks/gemma4-tiny-cpu.yaml's parity)
   sparse  - exact, but under concurrency every `sparse_every`-th (64) request it serves crowded gets wrong tokens
   sparse_second - the same, but that request takes the second most likely token at every position
             (deficits 0-2 nats: inside any sane hard bound, a corruption only its concentration shows)
@@ -160,6 +162,8 @@ def next_token(prefix: list[int], crowded: bool, picked: bool = False) -> int:
         return 4 + (top1(prefix) + 7) % 4090
     if config["mode"] == "unwatched" and os.environ.get("VLLM_BATCH_INVARIANT") != "1":
         return 4 + (top1(prefix) + 7) % 4090
+    if config["mode"] == "reordered" and margin(prefix) < config.get("near_tie", 0.1):
+        return top1(prefix) + 1
     if config["mode"] == "neartie" and crowded and margin(prefix) < config.get("near_tie", 0.1):
         return top1(prefix) + 1
     return top1(prefix)

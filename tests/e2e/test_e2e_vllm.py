@@ -27,9 +27,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3000)]
 
 def run_task(tmp_path, checkout, **overrides):
     """A run of the CPU task. Its A/A benchmark (benchmark.noise_floor) is off unless asked for: none of these
-    tests reads it, and tests/run/test_noise_floor.py runs it on this task."""
+    tests reads it, and tests/run/test_noise_floor.py runs it on this task. Parity checks 8 prompts, not the
+    task's 64: these tests read which stage rejects a patch that is plainly wrong;
+    tests/run/test_loop_judgement.py checks the task's parity against a change that is nearly exact."""
     task = load_task(ROOT / "tasks" / "gemma4-tiny-cpu.yaml")
     overrides["benchmark"] = {"noise_floor": False, **overrides.get("benchmark", {})}
+    overrides["parity"] = {"num_prompts": 8, **overrides.get("parity", {})}
     task = with_overrides(task, target={"checkout": str(checkout)}, **overrides)
     setup = prepare_run(task, tmp_path / "runs")
     finished = Loop(setup, make_proposer(task)).run()

