@@ -244,7 +244,8 @@ def apply_edit(edit: Edit, files: Files, checkout: Path, include: list[str], exc
     old, current = files[rel]
     if edit.function:
         if old is None and not current:
-            raise EditError("match", f"{edit.label()}: {rel} does not exist in the checkout")
+            raise EditError("match", f"{edit.label()}: {rel} does not exist in the checkout"
+                                     f"{_closest_path(rel, checkout, include, exclude)}")
         new, edit.search = replace_function(current, edit.function, edit.replace, rel)
         edit.identity = _same(edit.search, new)
         files[rel] = (old, new)
@@ -256,7 +257,8 @@ def apply_edit(edit: Edit, files: Files, checkout: Path, include: list[str], exc
         files[rel] = (None, edit.replace)
         return
     if old is None and not current:
-        raise EditError("match", f"block {edit.index}: {rel} does not exist in the checkout")
+        raise EditError("match", f"block {edit.index}: {rel} does not exist in the checkout"
+                                 f"{_closest_path(rel, checkout, include, exclude)}")
     search = edit.search
     count = current.count(search)
     if count == 0 and not current.endswith("\n") and current.endswith(search[:-1]):
@@ -366,6 +368,23 @@ def _compile_message(exc: py_compile.PyCompileError) -> str:
         line = (inner.text or "").strip()
         return f"line {inner.lineno}: {inner.msg}" + (f": {line[:120]!r}" if line else "")
     return str(inner)[:300]
+
+
+def _closest_path(rel: str, checkout: Path, include: list[str], exclude: list[str]) -> str:
+    """'; did you mean ...?' with up to 3 files of the same suffix inside the surface whose names are closest to
+    `rel`'s (a model that names a file it has not seen usually has a real one in mind), or ''."""
+    suffix = Path(rel).suffix
+    names = [p.relative_to(checkout).as_posix() for p in Path(checkout).rglob(f"*{suffix}")
+             if ".git" not in p.parts and "__pycache__" not in p.parts and p.is_file()]
+    base = PurePosixPath(rel).name
+
+    def ratio(a: str, b: str) -> float:
+        return difflib.SequenceMatcher(None, a, b).ratio()
+
+    scored = sorted(((ratio(base, PurePosixPath(n).name), ratio(rel, n), n) for n in names
+                     if surface_allows(n, include, exclude)), reverse=True)
+    close = [n for by_name, _, n in scored[:3] if by_name >= 0.75]
+    return f"; did you mean {', '.join(close)}?" if close else ""
 
 
 def _closest_hint(text: str, search: str) -> str:

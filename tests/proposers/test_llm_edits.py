@@ -183,3 +183,18 @@ def test_the_module_level_function_of_the_same_name_is_its_own(tree):
                        tree, INCLUDE, EXCLUDE)
     removed = [line for line in patch.diff.splitlines() if line.startswith("-") and not line.startswith("---")]
     assert removed == ["-    return x"] and "@@ -14,4 +14,4 @@" in patch.diff
+
+
+def test_a_file_that_does_not_exist_is_answered_with_the_closest_ones_inside_the_surface(tree):
+    (tree / "vllm/v1/layernorm.py").write_text("def norm(x):\n    return x\n")
+    (tree / "vllm/entrypoints").mkdir()
+    (tree / "vllm/entrypoints/layernorm.py").write_text("X = 1\n")  # outside the surface: never suggested
+    with pytest.raises(EditError, match="does not exist in the checkout") as info:
+        make_patch(block("vllm/v1/layer_norm.py", "def norm(x):\n", "def norm(y):\n"), tree, INCLUDE, EXCLUDE)
+    assert str(info.value).endswith("did you mean vllm/v1/layernorm.py?")
+    with pytest.raises(EditError, match="did you mean vllm/v1/layernorm.py") as info:
+        make_patch("vllm/v1/layer_norm.py\n<<<<<<< FUNCTION norm\ndef norm(y):\n    return y\n>>>>>>> END\n",
+                   tree, INCLUDE, EXCLUDE)
+    assert "entrypoints" not in str(info.value)
+    with pytest.raises(EditError, match="does not exist in the checkout$"):  # nothing close: no hint
+        make_patch(block("vllm/v1/zzzz_qqqq_wwww.py", "x\n", "y\n"), tree, INCLUDE, EXCLUDE)
