@@ -89,6 +89,25 @@ TEXT_FIELDS = {"summary": 300, "hypothesis": 2000, "plan": 200}
 """The free-text fields of `propose` and their lengths; a longer one is clipped."""
 
 
+def keep_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose key repeats keeps every value: the second `k` becomes `k#2` (a model that labels each
+    edit `"SearchReplace": {...}` sends the key once an edit; a plain parse keeps only the last)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        name, n = key, 1
+        while name in out:
+            n += 1
+            name = f"{key}#{n}"
+        out[name] = value
+    return out
+
+
+def is_edit(value: Any) -> bool:
+    """A SEARCH/REPLACE edit or a function replacement, by its keys."""
+    return isinstance(value, dict) and "path" in value and (
+        {"search", "replace"} <= set(value) or {"name", "code"} <= set(value))
+
+
 class ProposeArgs(Args):
     summary: str = Field(min_length=1, max_length=TEXT_FIELDS["summary"],
                          description="what the change does, one line")
@@ -106,7 +125,8 @@ class ProposeArgs(Args):
     def unambiguous_shapes(cls, data: Any) -> Any:
         """Shapes small models send that can mean one thing only (Qwen2.5-Coder-1.5B sent
         `edits: {"functions": [...]}` and `edits: [{path, name, code}]`): a lone edit object is a list of one,
-        `edits` holding `edits`/`functions` lists is those lists, and an item of `edits` with a name and code and no
+        `edits` holding `edits`/`functions` lists is those lists, `edits` as an object whose every value is an edit
+        (labelled by their kind, the label repeated) is the list of them, and an item of `edits` with a name and code and no
         search or replace is a function replacement. Anything else is left to the schema, which names the problem."""
         if not isinstance(data, dict):
             return data
@@ -126,6 +146,9 @@ class ProposeArgs(Args):
         for key in ("edits", "functions"):
             if isinstance(data.get(key), dict) and "path" in data[key]:
                 data[key] = [data[key]]
+        labelled = data.get("edits")
+        if isinstance(labelled, dict) and labelled and all(map(is_edit, labelled.values())):
+            data["edits"] = list(labelled.values())  # {"SearchReplace": {...}, "SearchReplace#2": {...}}
         edits = data.get("edits")
         if isinstance(edits, list):  # a whole-function replacement sent among the edits (name and code, no search)
             def is_function(e: Any) -> bool:
@@ -203,7 +226,8 @@ class Toolbox:
             return Result(f"error: no tool {name!r}; the tools are {', '.join(TOOLS)}", ok=False)
         model = TOOLS[name][0]
         try:
-            raw = arguments if isinstance(arguments, dict) else json.loads(arguments or "{}")
+            raw = arguments if isinstance(arguments, dict) else json.loads(arguments or "{}",
+                                                                             object_pairs_hook=keep_repeated_keys)
             if not isinstance(raw, dict):
                 raise ValueError("the arguments must be a JSON object")
             args = model.model_validate(raw)

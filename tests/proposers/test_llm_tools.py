@@ -504,6 +504,18 @@ def test_propose_arguments_of_an_unambiguous_wrong_shape_are_read_as_meant(check
     many = box(checkout).call("grep", {"pattern": "def ", "path": "vllm", "max_results": 300})  # asked by the 1.5B
     assert many.ok and "sampler.py" in many.text
     assert "greater than or equal to 1" in box(checkout).call("grep", {"pattern": "a", "max_results": 0}).text
+    # measured (run H): each edit labelled by its kind, the label repeated, in a JSON string; a plain parse keeps
+    # only the last edit, so every value is kept and the object read as the list of its edits
+    labelled = ('{"summary": "s", "edits": {"SearchReplace": {"path": "vllm/v1/sample/sampler.py", '
+                '"search": "    probs = torch.softmax(logits.float(), dim=-1)\\n    return probs.argmax(dim=-1)\\n", '
+                '"replace": "    return logits.argmax(dim=-1)\\n"}, "SearchReplace": {"path": "vllm/v1/sample/sampler.py", '
+                '"search": "        logits[i] = logits[i] - penalties[i]\\n", '
+                '"replace": "        logits[i] -= penalties[i]\\n"}}}')
+    both = box(checkout).call("propose", labelled)
+    assert both.ok and both.patch is not None, both.text
+    assert "return logits.argmax" in both.patch.diff and "logits[i] -= penalties[i]" in both.patch.diff
+    twice = box(checkout).call("propose", '{"summary": "s", "summary": "t", "functions": []}')
+    assert not twice.ok and "summary#2" in twice.text  # a repeated key elsewhere is named, not dropped
     refused = box(checkout).call("propose", {"summary": "s", "edits": {"functions": function, "x": 1}})
     assert not refused.ok and refused.text.startswith("error: bad arguments for propose: edits: Input should be a "
                                                       "valid list")
