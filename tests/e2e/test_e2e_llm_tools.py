@@ -30,6 +30,7 @@ def scripted_run(tmp_path_factory, vllm_checkout):
         # with the task's own rule (its honest noise on an AMX CPU is the control's too)
         task = with_overrides(task, target={"checkout": str(vllm_checkout)}, budget={"max_candidates": 2},
                               benchmark={"noise_floor": False},
+                              parity={"num_prompts": 8},  # the task's 64 are tested in tests/run/test_loop_judgement.py
                               proposer={"kind": "llm", "base_url": server.base_url, "model": "scripted-expert",
                                         "api_key_env": None, "profile": False, "tools": "native",
                                         "request_timeout_s": 30, "max_retries": 0, "repair_turns": 0})
