@@ -69,8 +69,11 @@ def test_the_checkout_is_only_read(tree):
 
 
 def test_ambiguous_mismatch_indentation_and_noop(tree):
-    with pytest.raises(EditError, match="ambiguous: block 1: the SEARCH text occurs 2 times"):
+    with pytest.raises(EditError, match="ambiguous: block 1: the SEARCH text occurs 2 times") as info:
         make_patch(block("vllm/v1/a.py", "    return x + 1\n", "    return x\n"), tree, INCLUDE, EXCLUDE)
+    assert "(lines 5: 'return x + 1', 9: 'return x + 1'); include more lines" in str(info.value)
+    with pytest.raises(EditError, match="occurs 2 times in vllm/v1/a.py \\(lines 4: 'def f\\(x\\):', 8: 'def g"):
+        make_patch(block("vllm/v1/a.py", "(x):\n", "(y):\n"), tree, INCLUDE, EXCLUDE)  # mid-line: its whole line
     with pytest.raises(EditError, match="match: .* matches line 1 only up to indentation"):
         make_patch(block("vllm/v1/a.py", "  import os\n", "  import sys\n"), tree, INCLUDE, EXCLUDE)
     with pytest.raises(EditError, match="noop: the edits change nothing"):
