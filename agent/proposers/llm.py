@@ -380,7 +380,7 @@ class LlmProposer:
                             seen=self._seen)
         budget = self.spec.tool_budget
         used, tokens, usd = 0, 0, 0.0  # used: tool calls carried out, and turns without one
-        answered: dict[str, int] = {}  # read-only calls already answered in this conversation: key -> call number
+        answered: dict[str, int] = {}  # calls already answered in this conversation: key -> call number
         repeats = 0  # repeated calls in a row
         spent = f"budget: {budget.calls} tool calls (tool_budget.calls) without an accepted proposal"
         while True:

@@ -449,22 +449,28 @@ ELIDED = "(elided to fit proposer.context_tokens: an earlier tool result; call t
 
 
 def call_key(name: str, arguments: str | dict[str, Any] | None) -> str | None:
-    """The identity of a read-only call (its name and canonical arguments), or None for `propose` and arguments
-    that are not JSON: the same key twice in a conversation is the same answer twice."""
-    if name not in READ_ONLY:
+    """The identity of a call (its name and canonical arguments), or None for arguments that are not JSON: the
+    same key twice in a conversation is the same answer twice (a `propose` seen before was rejected: an accepted
+    one ends the conversation)."""
+    if name not in TOOLS:
         return None
     try:
-        value = json.loads(arguments) if isinstance(arguments, str) else (arguments or {})
+        value = json.loads(arguments, object_pairs_hook=keep_repeated_keys) if isinstance(arguments, str) \
+            else (arguments or {})
     except ValueError:
         return None
     if not isinstance(value, dict):
         return None
-    if isinstance(value.get("path"), str):  # "./vllm/" and "vllm" are one folder
+    if name in READ_ONLY and isinstance(value.get("path"), str):  # "./vllm/" and "vllm" are one folder
         value = {**value, "path": posixpath.normpath(value["path"].strip() or ".")}
     return f"{name} {json.dumps(value, sort_keys=True)}"
 
 
 def repeated(name: str, turn: int) -> Result:
+    if name == "propose":
+        return Result(f"repeated: propose with these arguments was rejected at your tool call {turn}, above, and "
+                      "the tree has not changed: change the edits as that answer says (copy SEARCH text exactly, "
+                      "with enough lines to be unique), or read the file first.", ok=False)
     return Result(f"repeated: {name} with these arguments was answered at your tool call {turn}, above, and the "
                   "tree has not changed. Read another range (read_file start/end), list a folder, grep for something "
                   "else, or call propose.", ok=False)

@@ -434,6 +434,22 @@ def test_a_model_stuck_on_one_call_ends_its_conversation_and_the_next_starts_war
     assert proposal.summary.startswith("skip the softmax")
 
 
+def test_the_same_rejected_propose_is_a_repeat_too(server, checkout, key):
+    """Measured on the 1.5B (run I): the same propose, rejected as ambiguous, sent five times in a row."""
+    bad = call("propose", summary="rename", edits=[{"path": "vllm/v1/sample/sampler.py", "search": "logits",
+                                                    "replace": "scores"}])
+    server.push(*numbered([turn(bad)] * 4), *sampler_expert())
+    run = Run(tools_task(server.base_url, tool_budget={"calls": 20}), checkout)
+    proposal = run.propose()
+    calls = tool_events(run)
+    assert calls[0].result.startswith("REJECTED") and "occurs" in calls[0].result
+    for again in calls[1:4]:
+        assert again.result.startswith("repeated: propose with these arguments was rejected at your tool call 1")
+    invalid = [e for e in run.events if isinstance(e, ProposalInvalid)]
+    assert [e.reason.split(":")[0] for e in invalid] == ["stuck"]
+    assert proposal.summary.startswith("skip the softmax")  # the next conversation's change
+
+
 def test_the_same_failing_call_and_the_same_folder_spelled_otherwise_are_repeats(server, checkout, key):
     """Measured on the 1.5B: eight reads in a row of a file that does not exist, and `list_dir .` then `./`."""
     missing = call("read_file", path="vllm/model_executor/layers/prepare_input_ids.py")
