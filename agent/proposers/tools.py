@@ -138,6 +138,7 @@ class ProposeArgs(Args):
         if isinstance(nested, dict) and nested and set(nested) <= {"edits", "functions"}:
             data.pop("edits")
             for key, value in nested.items():
+                value = [value] if isinstance(value, dict) else value  # one edit where a list belongs
                 mine = data.get(key) or []
                 if isinstance(mine, list) and isinstance(value, list):
                     data[key] = [*mine, *value]

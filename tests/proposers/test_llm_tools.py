@@ -512,7 +512,8 @@ def test_propose_arguments_of_an_unambiguous_wrong_shape_are_read_as_meant(check
     that thing and checked as usual; an ambiguous one is refused by the schema, named."""
     code = "def greedy(logits):\n    return logits.argmax(dim=-1)\n"
     function = {"path": "vllm/v1/sample/sampler.py", "name": "greedy", "code": code}
-    for shape in ({"edits": {"functions": [function]}}, {"functions": function}, {"edits": [function]}):
+    for shape in ({"edits": {"functions": [function]}}, {"functions": function}, {"edits": [function]},
+                  {"edits": {"functions": function}}):  # the last measured in run J
         result = box(checkout).call("propose", {"summary": "argmax of the logits", **shape})
         assert result.ok and result.patch is not None and "ACCEPTED" in result.text, result.text
     long_plan = box(checkout).call("propose", {"summary": "argmax", "plan": "p" * 330, "functions": [function]})
@@ -532,6 +533,8 @@ def test_propose_arguments_of_an_unambiguous_wrong_shape_are_read_as_meant(check
     assert "return logits.argmax" in both.patch.diff and "logits[i] -= penalties[i]" in both.patch.diff
     twice = box(checkout).call("propose", '{"summary": "s", "summary": "t", "functions": []}')
     assert not twice.ok and "summary#2" in twice.text  # a repeated key elsewhere is named, not dropped
+    no_path = box(checkout).call("propose", {"summary": "s", "edits": {"functions": {"name": "greedy", "code": code}}})
+    assert not no_path.ok and "functions.0.path: Field required" in no_path.text  # read as meant, then named
     refused = box(checkout).call("propose", {"summary": "s", "edits": {"functions": function, "x": 1}})
     assert not refused.ok and refused.text.startswith("error: bad arguments for propose: edits: Input should be a "
                                                       "valid list")
