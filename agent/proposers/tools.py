@@ -144,8 +144,8 @@ class ProposeArgs(Args):
                     data[key] = [*mine, *value]
                 else:
                     return {**data, "edits": nested}  # not unambiguous: let the schema say so
-        for key in ("edits", "functions"):
-            if isinstance(data.get(key), dict) and "path" in data[key]:
+        for key in ("edits", "functions"):  # one edit where a list belongs (a missing path is then named)
+            if isinstance(data.get(key), dict) and set(data[key]) & {"path", "search", "replace", "name", "code"}:
                 data[key] = [data[key]]
         labelled = data.get("edits")
         if isinstance(labelled, dict) and labelled and all(map(is_edit, labelled.values())):

@@ -535,6 +535,8 @@ def test_propose_arguments_of_an_unambiguous_wrong_shape_are_read_as_meant(check
     assert not twice.ok and "summary#2" in twice.text  # a repeated key elsewhere is named, not dropped
     no_path = box(checkout).call("propose", {"summary": "s", "edits": {"functions": {"name": "greedy", "code": code}}})
     assert not no_path.ok and "functions.0.path: Field required" in no_path.text  # read as meant, then named
+    lone = box(checkout).call("propose", {"summary": "s", "edits": {"search": "a", "replace": "b"}})  # run J
+    assert not lone.ok and "edits.0.path: Field required" in lone.text
     refused = box(checkout).call("propose", {"summary": "s", "edits": {"functions": function, "x": 1}})
     assert not refused.ok and refused.text.startswith("error: bad arguments for propose: edits: Input should be a "
                                                       "valid list")
