@@ -162,9 +162,8 @@ def next_token(prefix: list[int], crowded: bool, picked: bool = False) -> int:
         return 4 + (top1(prefix) + 7) % 4090
     if config["mode"] == "unwatched" and os.environ.get("VLLM_BATCH_INVARIANT") != "1":
         return 4 + (top1(prefix) + 7) % 4090
-    if config["mode"] == "reordered" and margin(prefix) < config.get("near_tie", 0.1):
-        return top1(prefix) + 1
-    if config["mode"] == "neartie" and crowded and margin(prefix) < config.get("near_tie", 0.1):
+    near_tie = margin(prefix) < config.get("near_tie", 0.1)  # neartie: only under load; reordered: always
+    if near_tie and (config["mode"] == "reordered" or config["mode"] == "neartie" and crowded):
         return top1(prefix) + 1
     return top1(prefix)
 

@@ -269,21 +269,21 @@ def apply_edit(edit: Edit, files: Files, checkout: Path, include: list[str], exc
                                  f"{_closest_hint(current, edit.search)}")
     if count > 1:
         raise EditError("ambiguous", f"block {edit.index}: the SEARCH text occurs {count} times in {rel}"
-                                     f"{_occurrences(current, search)}; include more lines so that it is unique")
+                                     f"{_occurrences(current, search, count)}; include more lines so that it is unique")
     edit.identity = _same(search, edit.replace)
     files[rel] = (old, current.replace(search, edit.replace, 1))
 
 
-def _occurrences(text: str, search: str, most: int = 5) -> str:
-    """' (lines 12: ..., 40: ...)': where `search` starts in `text`, each with its whole first line, so that a model
-    can widen its SEARCH around the one it means."""
+def _occurrences(text: str, search: str, count: int, most: int = 5) -> str:
+    """' (lines 12: ..., 40: ...)': where the `count` occurrences of `search` start in `text` (the first `most`), each
+    with its whole first line, so that a model can widen its SEARCH around the one it means."""
     starts, at = [], text.find(search)
     while at != -1 and len(starts) < most:
         starts.append(at)
         at = text.find(search, at + 1)
     lines = text.splitlines()
     shown = [f"{n}: {lines[n - 1].strip()[:80]!r}" for n in (text.count("\n", 0, a) + 1 for a in starts)]
-    return f" (lines {', '.join(shown)}{', ...' if text.count(search) > most else ''})"
+    return f" (lines {', '.join(shown)}{', ...' if count > most else ''})"
 
 
 def _same(a: str, b: str) -> bool:

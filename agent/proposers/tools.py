@@ -108,6 +108,11 @@ def is_edit(value: Any) -> bool:
         {"search", "replace"} <= set(value) or {"name", "code"} <= set(value))
 
 
+def is_function(value: Any) -> bool:
+    """A function replacement by its keys (a name and code, no search or replace), wherever it was sent."""
+    return isinstance(value, dict) and {"name", "code"} <= set(value) and not {"search", "replace"} & set(value)
+
+
 class ProposeArgs(Args):
     summary: str = Field(min_length=1, max_length=TEXT_FIELDS["summary"],
                          description="what the change does, one line")
@@ -151,10 +156,7 @@ class ProposeArgs(Args):
         if isinstance(labelled, dict) and labelled and all(map(is_edit, labelled.values())):
             data["edits"] = list(labelled.values())  # {"SearchReplace": {...}, "SearchReplace#2": {...}}
         edits = data.get("edits")
-        if isinstance(edits, list):  # a whole-function replacement sent among the edits (name and code, no search)
-            def is_function(e: Any) -> bool:
-                return isinstance(e, dict) and {"name", "code"} <= set(e) and not {"search", "replace"} & set(e)
-
+        if isinstance(edits, list):  # a whole-function replacement sent among the edits
             moved = [e for e in edits if is_function(e)]
             if moved and isinstance(data.get("functions") or [], list):
                 data["edits"] = [e for e in edits if not is_function(e)]
