@@ -71,6 +71,8 @@ class Edit:
     """Set for the targeted form: the qualified name (`Class.method` or `func`) whose definition `replace` is."""
     identity: bool = False
     """Set by `apply_edit` when the replacement equals what it replaces (up to trailing whitespace)."""
+    replace_all: bool = False
+    """Replace every occurrence of `search` (a rename), where otherwise it must occur exactly once."""
 
     def label(self) -> str:
         return f"block {self.index}" + (f" (function {self.function})" if self.function else "")
@@ -267,11 +269,11 @@ def apply_edit(edit: Edit, files: Files, checkout: Path, include: list[str], exc
     if count == 0:
         raise EditError("match", f"block {edit.index}: the SEARCH text does not occur in {rel}"
                                  f"{_closest_hint(current, edit.search)}")
-    if count > 1:
+    if count > 1 and not edit.replace_all:
         raise EditError("ambiguous", f"block {edit.index}: the SEARCH text occurs {count} times in {rel}"
                                      f"{_occurrences(current, search, count)}; include more lines so that it is unique")
     edit.identity = _same(search, edit.replace)
-    files[rel] = (old, current.replace(search, edit.replace, 1))
+    files[rel] = (old, current.replace(search, edit.replace, -1 if edit.replace_all else 1))
 
 
 def _occurrences(text: str, search: str, count: int, most: int = 5) -> str:

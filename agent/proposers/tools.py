@@ -75,8 +75,10 @@ class NoArgs(Args):
 
 class SearchReplace(Args):
     path: str
-    search: str = Field(description="lines copied exactly from the file (without line numbers); must occur once")
+    search: str = Field(description="lines copied exactly from the file (without line numbers); must occur once "
+                                    "unless replace_all is set")
     replace: str
+    replace_all: bool = Field(False, description="change every occurrence of search (a rename), not just one")
 
 
 class FunctionReplace(Args):
@@ -324,7 +326,8 @@ class Toolbox:
                 edits += parse_edits(args.blocks)
         except EditError as exc:
             return Result(f"REJECTED\nparse: {str(exc).removeprefix('parse: ')}", ok=False)
-        edits += [Edit(path=e.path, search=e.search, replace=e.replace, index=0) for e in args.edits]
+        edits += [Edit(path=e.path, search=e.search, replace=e.replace, index=0, replace_all=e.replace_all)
+                  for e in args.edits]
         edits += [Edit(path=f.path, search="", replace=f.code, index=0, function=f.name) for f in args.functions]
         if not edits:
             return Result("REJECTED\nparse: no edits (give `edits`, `functions` or `blocks`)", ok=False)
@@ -374,8 +377,9 @@ def check(edits: list[Edit], checkout: Path, include: list[str], exclude: list[s
     for edit in edits:
         try:
             apply_edit(edit, files, checkout, include, exclude)
-        except EditError as exc:
-            failed.append(str(exc))
+        except EditError as exc:  # propose's `edits` can also change every occurrence: say so where it helps
+            failed.append(str(exc) + (" (or, in `edits`, set replace_all to change every occurrence)"
+                                      if exc.code == "ambiguous" else ""))
     if failed:
         report.append(f"apply: FAILED ({len(failed)} of {len(edits)} edits)")
         return problems + [f"apply: {x}" for x in failed], {}

@@ -14,7 +14,7 @@ from agent.proposers.base import ProposerExhausted
 from agent.proposers.tools import Toolbox, definitions, parse_text_calls
 from fake_openai_server import FakeOpenAI
 from scripted_models import call, numbered, sampler_expert, turn
-from tests.proposers.test_llm_proposer import Run, applies, checkout, key, make_task, run_started, server  # noqa: F401 (fixtures)
+from tests.proposers.test_llm_proposer import SAMPLER, Run, applies, checkout, key, make_task, run_started, server  # noqa: F401 (fixtures)
 from traces.log import TraceWriter, read_trace
 from traces.schema import LlmCall, NotebookEntry, ProposalInvalid, ToolCall
 
@@ -127,6 +127,31 @@ def test_a_proposal_already_tried_is_a_duplicate(checkout):
     seen = {hashlib.sha256(first.patch.diff.encode()).hexdigest(): 3}
     again = box(checkout, seen=seen).call("propose", args)
     assert not again.ok and "duplicate: the same change as candidate 3" in again.text
+
+
+def test_a_rename_by_bare_name_is_ambiguous_until_it_asks_for_every_occurrence(checkout):
+    """Measured on the 1.5B (runs I-K): it renamed a function by its name alone, was told the name occurs 3 times,
+    and never widened its SEARCH. `replace_all` makes the rename one edit; without it the SEARCH must be unique."""
+    from agent.proposers.edits import EditError, Edit, apply_edit
+
+    rename = {"path": "vllm/v1/sample/sampler.py", "search": "penalties", "replace": "offsets"}
+    once = box(checkout).call("propose", {"summary": "rename", "edits": [rename]})
+    assert not once.ok and "the SEARCH text occurs 4 times" in once.text
+    assert "(or, in `edits`, set replace_all to change every occurrence)" in once.text
+    every = box(checkout).call("propose", {"summary": "rename", "edits": [{**rename, "replace_all": True}]})
+    assert every.ok and every.patch.files == ["vllm/v1/sample/sampler.py"]
+    removed = [l for l in every.patch.diff.splitlines() if l.startswith("-") and not l.startswith("---")]
+    added = [l for l in every.patch.diff.splitlines() if l.startswith("+") and not l.startswith("+++")]
+    assert len(removed) == len(added) == 3 and not any("penalties" in l for l in added)
+    assert all("offsets" in l for l in added)
+    # a unique SEARCH with replace_all is the same one edit; a missing text is still a mismatch
+    files: dict = {}
+    apply_edit(Edit(path="vllm/v1/sample/sampler.py", search="import torch\n", replace="import torch as t\n",
+                    index=1, replace_all=True), files, checkout, ["vllm/*"], [])
+    assert files["vllm/v1/sample/sampler.py"][1] == SAMPLER.replace("import torch\n", "import torch as t\n")
+    with pytest.raises(EditError, match="match: block 1: the SEARCH text does not occur"):
+        apply_edit(Edit(path="vllm/v1/sample/sampler.py", search="nowhere", replace="x", index=1, replace_all=True),
+                   {}, checkout, ["vllm/*"], [])
 
 
 # --------------------------------------------------------------------------------------- hostile answers
