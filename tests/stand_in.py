@@ -62,7 +62,9 @@ def fake_task(checkout: Path, model: Path, patches: Path, **overrides):
                    "max_client_busy": 1.0},
         budget={"max_candidates": 10})
     merged = {**sections, **overrides}
-    merged["benchmark"] = {"noise_floor": False, **merged["benchmark"]}  # tests/run/test_noise_floor.py runs the A/A
+    # tests/run/test_noise_floor.py runs the A/A. No settle wait before each pass (at least one 0.25 s window of both
+    # servers' CPU time, 2.5-6 s a candidate): a fake leaves nothing running after a pass; the settle test sets it.
+    merged["benchmark"] = {"noise_floor": False, "settle_s": 0, **merged["benchmark"]}
     return with_overrides(task, **merged)
 
 

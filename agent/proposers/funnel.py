@@ -2,6 +2,7 @@
 goes (`LlmProposer.stats`) or from a trace afterwards (`llm_funnel`)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
@@ -17,6 +18,18 @@ def got_through(decision: Decision, stage: str) -> bool:
     order = STAGES.index
     return decision.verdict == "keep" or (decision.stage in STAGES and order(decision.stage) > order(stage))
 
+
+
+def only_identities(arguments: str) -> bool:
+    """A propose whose every SEARCH/REPLACE edit replaces a text by itself (and nothing else): an identity even where
+    an earlier check (an ambiguous SEARCH) rejected it before the identity check could name it."""
+    try:
+        args = json.loads(arguments)
+    except (TypeError, ValueError):
+        return False
+    edits = args.get("edits") if isinstance(args, dict) else None
+    return (isinstance(edits, list) and bool(edits) and not args.get("functions") and not args.get("blocks")
+            and all(isinstance(e, dict) and "search" in e and e.get("search") == e.get("replace") for e in edits))
 
 @dataclass
 class Funnel:
@@ -72,7 +85,7 @@ class Funnel:
             self.valid_tool_calls += valid
             if event.name == "propose" and valid:
                 self.proposes += 1
-                self.identity_proposes += "\nidentity: FAILED" in event.result
+                self.identity_proposes += "\nidentity: FAILED" in event.result or only_identities(event.arguments)
         elif kind == "proposal_invalid":
             code = event.reason.split(":", 1)[0]
             self.invalid[code] = self.invalid.get(code, 0) + 1

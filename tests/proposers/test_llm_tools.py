@@ -565,3 +565,22 @@ def test_propose_arguments_of_an_unambiguous_wrong_shape_are_read_as_meant(check
     refused = box(checkout).call("propose", {"summary": "s", "edits": {"functions": function, "x": 1}})
     assert not refused.ok and refused.text.startswith("error: bad arguments for propose: edits: Input should be a "
                                                       "valid list")
+
+
+def test_the_funnel_counts_an_identity_rejected_earlier_as_an_identity(checkout):
+    """Run L's first propose replaced `rms_norm` by `rms_norm`; its SEARCH was ambiguous, so the identity check never
+    ran, and the funnel counted it as a non-identity proposal. It is counted by what the edits say."""
+    from agent.proposers.funnel import llm_funnel
+
+    def propose(edits, **more):
+        args = json.dumps({"summary": "x", "edits": edits, **more})
+        return ToolCall(candidate=1, call_id="c", name="propose", arguments=args,
+                        result=box(checkout).call("propose", json.loads(args)).text, ok=False)
+
+    same = {"path": "vllm/v1/sample/sampler.py", "search": "logits", "replace": "logits"}
+    events = [propose([same]), propose([{**same, "search": "probs", "replace": "p"}]),
+              propose([same, {**same, "replace": "scores"}]), propose([same], functions=[{"path": "x", "name": "f",
+                                                                                           "code": "def f(): pass"}])]
+    assert "ambiguous" in events[0].result and "identity: FAILED" not in events[0].result
+    funnel = llm_funnel(events)
+    assert (funnel["proposes"], funnel["non_identity_proposes"]) == (4, 3)

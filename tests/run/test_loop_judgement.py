@@ -442,7 +442,7 @@ def test_a_candidate_that_works_while_the_incumbent_is_measured(run, monkeypatch
     setup, loop = run(
         {"1-burner.patch": new_file_patch("vllm/fake_mode_1.json", burner, "busy idle")},
         benchmark={"warmup_requests": 2, "repetitions": 6, "request_timeout_s": 60, "max_client_busy": 1.0,
-                   **({"max_idle_cpu": None} if variant == "unchecked" else {})})
+                   "settle_s": 3.0, **({"max_idle_cpu": None} if variant == "unchecked" else {})})
     finished = loop.run()
     decision = decisions(setup)[1]
     samples = [r.event.sample for r in read_trace(setup.run_dir / "trace.jsonl") if r.event.kind == "sample"]
