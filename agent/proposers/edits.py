@@ -249,7 +249,7 @@ def apply_edit(edit: Edit, files: Files, checkout: Path, include: list[str], exc
             raise EditError("match", f"{edit.label()}: {rel} does not exist in the checkout"
                                      f"{_closest_path(rel, checkout, include, exclude)}")
         new, edit.search = replace_function(current, edit.function, edit.replace, rel)
-        edit.identity = _same(edit.search, new)
+        edit.identity = same_lines(edit.search, new)
         files[rel] = (old, new)
         return
     if not edit.search:
@@ -272,7 +272,7 @@ def apply_edit(edit: Edit, files: Files, checkout: Path, include: list[str], exc
     if count > 1 and not edit.replace_all:
         raise EditError("ambiguous", f"block {edit.index}: the SEARCH text occurs {count} times in {rel}"
                                      f"{_occurrences(current, search, count)}; include more lines so that it is unique")
-    edit.identity = _same(search, edit.replace)
+    edit.identity = same_lines(search, edit.replace)
     files[rel] = (old, current.replace(search, edit.replace, -1 if edit.replace_all else 1))
 
 
@@ -288,7 +288,7 @@ def _occurrences(text: str, search: str, count: int, most: int = 5) -> str:
     return f" (lines {', '.join(shown)}{', ...' if count > most else ''})"
 
 
-def _same(a: str, b: str) -> bool:
+def same_lines(a: str, b: str) -> bool:
     return [line.rstrip() for line in a.splitlines()] == [line.rstrip() for line in b.splitlines()]
 
 

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
+from agent.proposers.edits import same_lines
 from traces.schema import Decision, Stage
 
 STAGES: list[str] = list(get_args(Stage))
@@ -19,17 +20,18 @@ def got_through(decision: Decision, stage: str) -> bool:
     return decision.verdict == "keep" or (decision.stage in STAGES and order(decision.stage) > order(stage))
 
 
-
 def only_identities(arguments: str) -> bool:
-    """A propose whose every SEARCH/REPLACE edit replaces a text by itself (and nothing else): an identity even where
-    an earlier check (an ambiguous SEARCH) rejected it before the identity check could name it."""
+    """A propose whose every SEARCH/REPLACE edit replaces a text by itself (and nothing else), by the identity check's
+    own rule (`same_lines`): an identity even where an earlier check (an ambiguous SEARCH) rejected it first."""
     try:
         args = json.loads(arguments)
     except (TypeError, ValueError):
         return False
     edits = args.get("edits") if isinstance(args, dict) else None
     return (isinstance(edits, list) and bool(edits) and not args.get("functions") and not args.get("blocks")
-            and all(isinstance(e, dict) and "search" in e and e.get("search") == e.get("replace") for e in edits))
+            and all(isinstance(e, dict) and isinstance(e.get("search"), str) and isinstance(e.get("replace"), str)
+                    and same_lines(e["search"], e["replace"]) for e in edits))
+
 
 @dataclass
 class Funnel:
