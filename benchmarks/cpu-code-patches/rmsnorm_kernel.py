@@ -4,8 +4,9 @@ many sequential greedy outputs (parity's regime) it changes.
 
     python benchmarks/cpu-code-patches/rmsnorm_kernel.py [--pairs 6] [--prompts 96] [--tokens 16] [--exact]
 
-`--exact` measures instead the exact form of the README's last section: the native arithmetic without the IR
-dispatch chain, with the epsilon and the row length as float32 0-dim tensors made once.
+`--exact` measures instead the exact form of 04: the native arithmetic without the IR dispatch chain, with the
+epsilon and the row length as float32 0-dim tensors made once. `--overheads` measures 05 (the same code as
+05-cpu-exact-overheads.patch, switched on and off in one process).
 
 The model is the task's synthetic checkpoint (`nightshift run` or `nightshift checkout` makes it)."""
 import argparse
@@ -63,6 +64,71 @@ def exact_norm(self, x, residual=None):
 layernorm.RMSNorm.forward_cpu = kernel_norm
 
 
+def install_overheads() -> None:
+    """05-cpu-exact-overheads.patch as switchable replacements (its code, for an A/B in one engine)."""
+    import torch.nn.functional as F
+    from vllm.model_executor.layers import activation, linear
+    from vllm.model_executor.models import gemma4
+    on = lambda: USE_KERNEL["on"]  # noqa: E731
+
+    def norm(self, x, residual=None):
+        if not on() or residual is not None or self.variance_size_override is not None or x.dtype != self.weight.dtype:
+            return NATIVE(self, x, residual)
+        out = F.rms_norm(x, (x.shape[-1],), None, self.variance_epsilon)
+        return out.mul_(self.weight.data) if self.pass_weight else out
+
+    native_attn = gemma4.Gemma4Attention.forward
+
+    def attn(self, positions, hidden_states, **kwargs):
+        if not on() or self.is_kv_shared_layer:
+            return native_attn(self, positions, hidden_states, **kwargs)
+        qkv, _ = self.qkv_proj(hidden_states)
+        n = qkv.shape[0]
+        heads = F.rms_norm(qkv.view(n, -1, self.head_dim), (self.head_dim,), None, self.q_norm.variance_epsilon)
+        heads[:, :self.num_heads].mul_(self.q_norm.weight.data)
+        heads[:, self.num_heads:self.num_heads + self.num_kv_heads].mul_(self.k_norm.weight.data)
+        q, k, v = (t.contiguous() for t in heads.view(n, -1).split([self.q_size, self.kv_size, self.kv_size], -1))
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))[0]
+
+    native_gelu = activation.GeluAndMul.forward_cpu
+
+    def gelu(self, x):
+        if not on():
+            return native_gelu(self, x)
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate=self.approximate).mul_(x[..., d:])
+
+    native_layer = gemma4.Gemma4DecoderLayer.forward
+
+    def layer(self, positions, hidden_states, residual, per_layer_input=None, **kwargs):
+        if not on():
+            return native_layer(self, positions, hidden_states, residual, per_layer_input, **kwargs)
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(self.self_attn(
+            positions=positions, hidden_states=self.input_layernorm(residual), **kwargs)) + residual
+        residual = hidden_states
+        hidden_states = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden_states)))
+        hidden_states = hidden_states + residual
+        if per_layer_input is not None and self.per_layer_input_gate is not None:
+            gate = F.gelu(self.per_layer_input_gate(hidden_states), approximate="tanh").mul_(per_layer_input)
+            hidden_states = hidden_states + self.post_per_layer_input_norm(self.per_layer_projection(gate))
+        if not bool((self.layer_scalar == 1).all()):
+            hidden_states = hidden_states * self.layer_scalar
+        return hidden_states, None
+
+    native_apply = linear.UnquantizedLinearMethod.apply
+
+    def apply(self, layer, x, bias=None):
+        return layer.cpu_linear(x, layer.weight, bias) if on() else native_apply(self, layer, x, bias)
+
+    layernorm.RMSNorm.forward_cpu = norm
+    gemma4.Gemma4Attention.forward = attn
+    activation.GeluAndMul.forward_cpu = gelu
+    gemma4.Gemma4DecoderLayer.forward = layer
+    linear.UnquantizedLinearMethod.apply = apply
+
+
 def model_path() -> Path:
     found = sorted((Path.home() / ".cache" / "nightshift" / "models").glob("synthetic-*"))
     if not found:
@@ -75,10 +141,13 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--prompts", type=int, default=96, help="sequential prompts for the divergence count")
     parser.add_argument("--tokens", type=int, default=16, help="greedy tokens per sequential prompt")
-    parser.add_argument("--exact", action="store_true", help="the exact norm instead of the C++ kernel")
+    parser.add_argument("--exact", action="store_true", help="04, the exact norm, instead of the C++ kernel")
+    parser.add_argument("--overheads", action="store_true", help="05, the exact overhead cuts, instead")
     args = parser.parse_args()
     if args.exact:
         layernorm.RMSNorm.forward_cpu = exact_norm
+    if args.overheads:
+        install_overheads()
     from vllm import LLM, SamplingParams
     rng = random.Random(0)
 
@@ -100,7 +169,7 @@ def main() -> None:
             seconds[kernel].append(time.perf_counter() - started)
     ratios = [a / b for a, b in zip(seconds[False], seconds[True])]
     print(f"native s: {[round(s, 3) for s in seconds[False]]}")
-    print(f"{'exact' if args.exact else 'kernel'} s: {[round(s, 3) for s in seconds[True]]}")
+    print(f"{'overheads' if args.overheads else 'exact' if args.exact else 'kernel'} s: {[round(s, 3) for s in seconds[True]]}")
     print(f"speedup per pair: {[round(r, 3) for r in ratios]}; median {statistics.median(ratios):.3f}")
     del llm
 
