@@ -2,10 +2,10 @@
 its speed on the benchmark's workload, native and kernel norms alternating in the same process, and how
 many sequential greedy outputs (parity's regime) it changes.
 
-    python benchmarks/cpu-code-patches/rmsnorm_kernel.py [--pairs 6] [--prompts 96] [--tokens 16] [--exact]
+    python benchmarks/cpu-code-patches/rmsnorm_kernel.py [--pairs 6] [--prompts 96] [--tokens 16] [--exact | --overheads]
 
 `--exact` measures instead the exact form of 04: the native arithmetic without the IR dispatch chain, with the
-epsilon and the row length as float32 0-dim tensors made once. `--overheads` measures 05 (the same code as
+epsilon and the row length as float32 0-dim tensors made once. `--overheads` measures 05 (the arithmetic of
 05-cpu-exact-overheads.patch, switched on and off in one process).
 
 The model is the task's synthetic checkpoint (`nightshift run` or `nightshift checkout` makes it)."""
@@ -65,7 +65,7 @@ layernorm.RMSNorm.forward_cpu = kernel_norm
 
 
 def install_overheads() -> None:
-    """05-cpu-exact-overheads.patch as switchable replacements (its code, for an A/B in one engine)."""
+    """05-cpu-exact-overheads.patch as switchable replacements (its arithmetic, for an A/B in one engine)."""
     import torch.nn.functional as F
     from vllm.model_executor.layers import activation, linear
     from vllm.model_executor.models import gemma4
