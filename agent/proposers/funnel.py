@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, get_args
 
 from agent.proposers.edits import same_lines
+from agent.proposers.tools import ProposeArgs, keep_repeated_keys
 from traces.schema import Decision, Stage
 
 STAGES: list[str] = list(get_args(Stage))
@@ -21,16 +22,15 @@ def got_through(decision: Decision, stage: str) -> bool:
 
 
 def only_identities(arguments: str) -> bool:
-    """A propose whose every SEARCH/REPLACE edit replaces a text by itself (and nothing else), by the identity check's
-    own rule (`same_lines`): an identity even where an earlier check (an ambiguous SEARCH) rejected it first."""
+    """A propose whose every SEARCH/REPLACE edit replaces a text by itself (and nothing else), read as the toolbox
+    reads its arguments (`ProposeArgs`, shapes small models send included) and judged by the identity check's own
+    rule (`same_lines`): an identity even where an earlier check (an ambiguous SEARCH) rejected it first."""
     try:
-        args = json.loads(arguments)
-    except (TypeError, ValueError):
+        args = ProposeArgs.model_validate(json.loads(arguments, object_pairs_hook=keep_repeated_keys))
+    except (TypeError, ValueError):  # a pydantic ValidationError is a ValueError
         return False
-    edits = args.get("edits") if isinstance(args, dict) else None
-    return (isinstance(edits, list) and bool(edits) and not args.get("functions") and not args.get("blocks")
-            and all(isinstance(e, dict) and isinstance(e.get("search"), str) and isinstance(e.get("replace"), str)
-                    and same_lines(e["search"], e["replace"]) for e in edits))
+    return (bool(args.edits) and not args.functions and not args.blocks.strip()
+            and all(same_lines(e.search, e.replace) for e in args.edits))
 
 
 @dataclass
