@@ -113,7 +113,10 @@ def install_overheads() -> None:
         if per_layer_input is not None and self.per_layer_input_gate is not None:
             gate = F.gelu(self.per_layer_input_gate(hidden_states), approximate="tanh").mul_(per_layer_input)
             hidden_states = hidden_states + self.post_per_layer_input_norm(self.per_layer_projection(gate))
-        if not bool((self.layer_scalar == 1).all()):
+        unit = self.__dict__.get("_unit_layer_scalar")  # known once the weights are loaded, as in the patch
+        if unit is None:
+            unit = self.__dict__["_unit_layer_scalar"] = bool((self.layer_scalar == 1).all())
+        if not unit:
             hidden_states = hidden_states * self.layer_scalar
         return hidden_states, None
 
