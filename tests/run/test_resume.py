@@ -6,7 +6,6 @@ that kills itself at a chosen record (traces/log.py, NIGHTSHIFT_TEST_CRASH)."""
 import json
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -327,64 +326,6 @@ def test_a_candidate_over_its_time_limit_is_a_timeout_and_the_run_goes_on(tmp_pa
     assert decisions[3].verdict == "keep" and finished.kept == 1
     assert time.monotonic() - began < 60 and loop.pool.running == [] and leftovers(setup.run_dir) == []
     assert audit(setup.run_dir).decisions == 1
-
-
-VLLM_SETTINGS = ["--set", "budget.max_candidates=1", "--set", "proposer.seed=0",
-                 "--set", "proposer.space={max_num_seqs: [4, 32]}",
-                 # what this test reads is the resume: no A/A benchmark, no second benchmark of the candidate,
-                 # parity on 8 prompts (the task's 64 are for changes that are nearly exact; this one is a flag)
-                 "--set", "benchmark.noise_floor=false", "--set", "acceptance.confirmations=0",
-                 "--set", "parity.num_prompts=8"]
-
-
-@pytest.mark.vllm
-@pytest.mark.timeout(3000)
-@pytest.mark.slow
-def test_real_vllm_killed_during_a_benchmark_resumes(tmp_path, vllm_checkout):
-    runs = tmp_path / "runs"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    argv = [sys.executable, "-m", "agent.face.cli", "run", str(ROOT / "tasks" / "gemma4-tiny-cpu.yaml"),
-            "--runs-dir", str(runs), "--checkout", str(vllm_checkout), "--run-id", "cpu", "--quiet", *VLLM_SETTINGS]
-    harness_proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    trace = runs / "cpu" / "trace.jsonl"
-    deadline = time.monotonic() + 1500
-    while not (trace.exists() and b'"kind":"sample"' in trace.read_bytes()):
-        assert harness_proc.poll() is None, harness_proc.stderr.read().decode()[-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
-    harness_proc.kill()  # SIGKILL, as the OOM killer would
-    harness_proc.wait()
-    servers = list((runs / "cpu").glob("servers/*/pid"))
-    assert servers, "the dead harness left its servers running"
-    began = time.monotonic()
-    resumed = subprocess.Popen([sys.executable, "-m", "agent.face.cli", "run", "--resume", "cpu", "--runs-dir", str(runs),
-                                "--quiet"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    marks: dict[str, float] = {}
-    while resumed.poll() is None:
-        text = trace.read_bytes()
-        tail = text[text.rfind(b'"kind":"resumed"'):] if b'"kind":"resumed"' in text else b""
-        if tail and "resumed" not in marks:
-            marks["resumed"] = time.monotonic() - began
-        if b'"kind":"patch_applied"' in tail and "candidate" not in marks:
-            marks["candidate"] = time.monotonic() - began
-        time.sleep(0.1)
-    output = resumed.stdout.read().decode()
-    assert resumed.returncode == 0, output[-3000:]
-    print(f"\nresume on the CPU task: checks and resumed record {marks['resumed']:.1f} s; baseline phase done, "
-          f"candidate in flight started again {marks['candidate']:.1f} s; whole resumed run "
-          f"{time.monotonic() - began:.1f} s")
-    result = audit(runs / "cpu")
-    assert result.finished
-    events = [r.event for r in read_trace(trace)]
-    mark = next(e for e in events if e.kind == "resumed")
-    assert mark.candidate == 1 and mark.reaped >= 2
-    assert len([e for e in events if e.kind == "proposal"]) == 1
-    assert [e.candidate for e in events if e.kind == "decision"] == [1]
-    assert not list((runs / "cpu").glob("servers/*/pid"))
-    replay = subprocess.run([sys.executable, "-m", "agent.face.cli", "replay", "cpu", "--runs-dir", str(runs)], cwd=ROOT,
-                            env=env, capture_output=True, text=True)
-    assert replay.returncode == 0 and "audit ok" in replay.stdout, replay.stdout + replay.stderr
-    shutil.rmtree(runs / "cpu" / "outputs", ignore_errors=True)
 
 
 def as_records(events) -> list:
