@@ -229,8 +229,8 @@ def test_a_run_killed_during_a_benchmark_resumes(flags_run):
     result = audit(setup.run_dir)
     assert result.finished and finished.kind == "run_finished"
     evs = [r.event for r in records]
-    marks_ = [e for e in evs if e.kind == "resumed"]
-    assert len(marks_) == 1 and marks_[0].candidate == 1 and marks_[0].reaped >= 2
+    resumed = [e for e in evs if e.kind == "resumed"]
+    assert len(resumed) == 1 and resumed[0].candidate == 1 and resumed[0].reaped >= 2
     assert len(events(records, "proposal")) == 1
     assert [d.candidate for d in events(records, "decision")] == [1]
     assert not list(setup.run_dir.glob("servers/*/pid"))
