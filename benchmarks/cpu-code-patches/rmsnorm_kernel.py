@@ -144,8 +144,9 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--prompts", type=int, default=96, help="sequential prompts for the divergence count")
     parser.add_argument("--tokens", type=int, default=16, help="greedy tokens per sequential prompt")
-    parser.add_argument("--exact", action="store_true", help="04, the exact norm, instead of the C++ kernel")
-    parser.add_argument("--overheads", action="store_true", help="05, the exact overhead cuts, instead")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--exact", action="store_true", help="04, the exact norm, instead of the C++ kernel")
+    which.add_argument("--overheads", action="store_true", help="05, the exact overhead cuts, instead")
     args = parser.parse_args()
     if args.exact:
         layernorm.RMSNorm.forward_cpu = exact_norm
