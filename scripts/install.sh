@@ -10,7 +10,8 @@ extras=cpu
 if [ "${1:-}" = test ] && ! command -v chromedriver >/dev/null && [ "$(id -u)" = 0 ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
 fi
-python3 -m pip install -q -e ".[${extras}]"
+# Pinned to what the suite last passed with (constraints.txt; scripts/lock.py moves the pins forward).
+python3 -m pip install -q -c constraints.txt -e ".[${extras}]"
 # PyPI's torchvision/torchaudio/torchcodec builds do not load against the CPU torch ("operator
 # torchvision::nms does not exist"); the text path needs none of them.
 python3 -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

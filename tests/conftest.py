@@ -9,6 +9,7 @@ import pytest
 from tests import stand_in
 
 ROOT = Path(__file__).resolve().parent.parent
+pytest_plugins = ["tests.report_guard", "pytester"]
 
 
 @pytest.hookimpl(tryfirst=True)

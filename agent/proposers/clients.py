@@ -158,6 +158,20 @@ class Redactor:
 
 
 # ----------------------------------------------------------------------------------- OpenAIModel
+def transport_errors() -> tuple[type[BaseException], ...]:
+    """The HTTP library errors a broken stream raises past openai's own: `httpx.HTTPError` under openai 1.x,
+    `httpx2.HTTPError` under the openai releases built on httpx2 (whichever of the two is installed)."""
+    import importlib
+
+    found = []
+    for name in ("httpx", "httpx2"):
+        try:
+            found.append(importlib.import_module(name).HTTPError)
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
+
+
 class OpenAIModel:
     """Any OpenAI-compatible chat completions endpoint, streamed, one attempt per `complete`.
 
@@ -168,7 +182,6 @@ class OpenAIModel:
 
     def __init__(self, base_url: str, model: str, api_key_env: str | None = "OPENAI_API_KEY",
                  timeout_s: float = 120.0, extra_body: dict[str, Any] | None = None, tool_choice: str = "auto"):
-        import httpx
         import openai
 
         self.name = model
@@ -184,7 +197,8 @@ class OpenAIModel:
                        "stream": True, **({"tool_choice": tool_choice} if tool_choice != "auto" else {})}
         self._client = openai.OpenAI(
             base_url=self.base_url, api_key=key or "EMPTY", max_retries=0,
-            timeout=httpx.Timeout(self.timeout_s, connect=min(10.0, self.timeout_s)),
+            # openai's own Timeout: httpx's before openai 2, httpx2's after (which refuses an httpx.Timeout)
+            timeout=openai.Timeout(self.timeout_s, connect=min(10.0, self.timeout_s)),
         )
 
     def close(self) -> None:
@@ -192,7 +206,6 @@ class OpenAIModel:
 
     def complete(self, messages: Messages, *, temperature: float, max_tokens: int,
                  tools: list[dict[str, Any]] | None = None) -> Completion:
-        import httpx
         import openai
 
         started = time.monotonic()
@@ -256,7 +269,7 @@ class OpenAIModel:
                                   exc.status_code) from None
         except openai.APIError as exc:  # an error event inside the stream
             raise LlmTransientError(f"stream error: {exc}") from None
-        except (httpx.HTTPError, ConnectionError, TimeoutError) as exc:
+        except (*transport_errors(), ConnectionError, TimeoutError) as exc:
             raise LlmTransientError(f"broken stream: {type(exc).__name__}: {exc}") from None
         if finish_reason is None:
             raise LlmTransientError("broken stream: it ended without a finish_reason")
