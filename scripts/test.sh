@@ -1,25 +1,49 @@
 #!/usr/bin/env bash
-# The test suite, as CI runs it (.ci/run): first the tests that mostly wait (fake servers, git, subprocesses)
-# two at a time (pytest-xdist, one file per worker), then one at a time those marked `serial`: the ones that
-# measure speed or CPU time (A/A, noise, speedup bounds, the idle-work check), and the ones that hold the
-# machine (real vLLM servers, Docker, namespaces and cgroups, Ray).
+# The test suite, as CI runs it (.ci/run). Four tiers, by what a test needs of the machine:
+#   heavy       one at a time: what holds the machine (real vLLM servers, Docker, namespaces and cgroups, Ray).
+#               A real vLLM server's start is import-bound in one process at a time, so a core is mostly free:
+#   wait-bound  beside it, two at a time (pytest-xdist, one file per worker): fake servers, git, subprocesses;
+#   paced       then, still beside it, three at a time (test by test): runs of fake servers judged by their
+#               speed, with effects many times the noise of a loaded host (crash-and-resume, judgement, report);
+#   serial      last, one at a time with nothing beside it: what measures CPU time or the host's noise.
+# Each tier prints its time and its slowest tests; the last line sums the tiers and the whole.
 #   scripts/test.sh                      # the whole suite
 #   scripts/test.sh --fast               # without the tests marked `slow`: for daily work
-#   scripts/test.sh tests/test_x.py -x   # further arguments go to both runs
+#   scripts/test.sh tests/test_x.py -x   # further arguments go to every tier
 set -uo pipefail
 cd "$(dirname "$0")/.."
 select="not real_llm"
 if [ "${1:-}" = --fast ]; then select="$select and not slow"; shift; fi
-status=0
-tier() {
-  local name=$1 began=$SECONDS rc; shift
-  python3 -m pytest -q -ra --durations=25 "$@"
+temp=${NIGHTSHIFT_TEST_TMP:-$(mktemp -d /tmp/nightshift-tests.XXXXXX)}
+mkdir -p "$temp"
+began_all=$SECONDS
+tier() {  # tier NAME KEY PYTEST-ARGS...: runs one tier, writes its exit code and seconds to $temp/KEY.rc/.s
+  local name=$1 key=$2 began=$SECONDS rc; shift 2
+  python3 -m pytest -q -ra --durations=15 --basetemp="$temp/$key" "$@"
   rc=$?
   [ "$rc" = 5 ] && rc=0  # nothing of this tier selected
   echo "tests: $name tier took $(( SECONDS - began )) s (exit $rc)"
-  [ "$rc" -gt "$status" ] && status=$rc
+  echo "$rc" > "$temp/$key.rc"
+  echo "$(( SECONDS - began ))" > "$temp/$key.s"
 }
-tier "wait-bound (-n ${NIGHTSHIFT_TEST_WORKERS:-2})" -n "${NIGHTSHIFT_TEST_WORKERS:-2}" --dist loadfile \
-  -m "$select and not serial" "$@"
-tier serial -p no:xdist -m "$select and serial" "$@"
+beside() {
+  tier "wait-bound (-n ${NIGHTSHIFT_TEST_WORKERS:-2})" wait -n "${NIGHTSHIFT_TEST_WORKERS:-2}" --dist loadfile \
+    -m "$select and not heavy and not serial and not paced" "$@"
+  tier "paced (-n ${NIGHTSHIFT_PACED_WORKERS:-3})" paced -n "${NIGHTSHIFT_PACED_WORKERS:-3}" --dist load \
+    -m "$select and paced and not heavy and not serial" "$@"
+}
+beside "$@" > "$temp/beside.log" 2>&1 &
+beside_pid=$!
+tier heavy heavy -p no:xdist -m "$select and heavy" "$@"
+wait "$beside_pid"
+echo "----- the tiers run beside the heavy one -----"
+cat "$temp/beside.log"
+tier serial serial -p no:xdist -m "$select and serial and not heavy" "$@"
+status=0
+for key in wait paced heavy serial; do
+  rc=$(cat "$temp/$key.rc" 2>/dev/null || echo 2)
+  [ "$rc" -gt "$status" ] && status=$rc
+done
+echo "tests: heavy $(cat "$temp/heavy.s") s, beside it wait-bound $(cat "$temp/wait.s") s then paced" \
+     "$(cat "$temp/paced.s") s; serial $(cat "$temp/serial.s") s; whole suite $(( SECONDS - began_all )) s (exit $status)"
 exit "$status"

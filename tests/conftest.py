@@ -14,11 +14,11 @@ pytest_plugins = ["tests.report_guard", "pytester"]
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-    """A test with the real vLLM or a Docker engine holds the machine: it is `serial`, and `slow` (left out by
-    `scripts/test.sh --fast`). Marked before `-m` selects."""
+    """A test with the real vLLM or a Docker engine holds the machine: it is `heavy` (one at a time), and `slow` (left
+    out by `scripts/test.sh --fast`). Marked before `-m` selects."""
     for item in items:
         if item.get_closest_marker("vllm") or item.get_closest_marker("docker"):
-            item.add_marker(pytest.mark.serial)
+            item.add_marker(pytest.mark.heavy)
             item.add_marker(pytest.mark.slow)
 
 

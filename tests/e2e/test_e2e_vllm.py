@@ -13,11 +13,7 @@ import git
 import pytest
 
 from agent.replay.chain import audit
-from agent.run.loop import Loop
-from agent.proposers import make_proposer
 from agent.face.report import review_tables, write_summary
-from agent.run.setup import prepare_run
-from agent.world.task import load_task, with_overrides
 from agent.run.workspace import serve_args_at
 from agent.world.serve_args import SERVE_FILE
 from traces import TraceError, read_trace
@@ -26,60 +22,49 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3000)]
 
 
-def run_task(tmp_path, checkout, **overrides):
-    """A run of the CPU task. Its A/A benchmark (benchmark.noise_floor) is off unless asked for: none of these
-    tests reads it, and tests/run/test_noise_floor.py runs it on this task. Parity checks 8 prompts, not the
-    task's 64: these tests read which stage rejects a patch that is plainly wrong;
-    tests/run/test_loop_judgement.py checks the task's parity against a change that is nearly exact."""
-    task = load_task(ROOT / "tasks" / "gemma4-tiny-cpu.yaml")
-    overrides["benchmark"] = {"noise_floor": False, **overrides.get("benchmark", {})}
-    overrides["parity"] = {"num_prompts": 8, **overrides.get("parity", {})}
-    task = with_overrides(task, target={"checkout": str(checkout)}, **overrides)
-    setup = prepare_run(task, tmp_path / "runs")
-    finished = Loop(setup, make_proposer(task)).run()
-    write_summary(setup.run_dir)
-    return setup, finished, read_trace(setup.run_dir / "trace.jsonl")
-
-
 def events(records, kind):
     return [r.event for r in records if r.event.kind == kind]
 
 
 QUEUE = [ROOT / "tests" / "fixtures" / "patches" / name for name in
-         ("01-outside-surface.patch", "02-mlp-numerics.patch", "03-noop-comment.patch")]
-ADVERSARIAL = [ROOT / "tests" / "fixtures" / "adversarial" / name for name in
-               ("01-batch-crosstalk.patch", "02-batch-near-ties.patch")]
-"""One queue run judges both sets, the adversarial patches as candidates 4 and 5: one baseline phase for five
-candidates (none is kept, so each is measured against the same baseline, as in a run of its own)."""
+         ("01-outside-surface.patch", "02-mlp-numerics.patch", "03-noop-comment.patch")] + \
+        [ROOT / "tests" / "fixtures" / "adversarial" / name for name in
+         ("01-batch-crosstalk.patch", "02-batch-near-ties.patch")] + \
+        [ROOT / "tests" / "fixtures" / "patches" / "04-serve-32-sequences.patch"]
+"""One run carries the scenarios that each paid for a run of their own: the queue's bad patches (candidates 1-3),
+the adversarial ones (4, 5), a real keep (6: max_num_seqs 32 as serving flags), a kill in the middle of a benchmark
+and the resume, then `verify` of the kept branch and the report. Candidates 1-5 are measured against the baseline
+(none of them is kept), as in runs of their own."""
+SURFACE, PARITY, NOOP, CROSSTALK, NEAR_TIES, KEEP = range(1, 7)
+
+RUN_SETTINGS = ["--set", "budget.max_candidates=6", "--set", "benchmark.noise_floor=false",
+                # parity checks 8 prompts, not the task's 64: these tests read which stage rejects a patch that is
+                # plainly wrong; tests/run/test_loop_judgement.py checks the task's parity against a nearly exact one
+                "--set", "parity.num_prompts=8",
+                # 16 prompts a pass, 8 pairs: beside the other tiers the two vLLM servers take CPU from each other,
+                # passes spread 2-3x, and with 5 pairs a real 2.4x could miss 1.05 at 95%
+                "--set", "workload.num_prompts=16", "--set", "benchmark.repetitions=8"]
+
+
+def cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "agent.face.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "160"}, stdin=subprocess.DEVNULL,
+                          **kwargs)
 
 
 @pytest.fixture(scope="module")
-def queue_run(tmp_path_factory, vllm_checkout):
+def real_run(tmp_path_factory, vllm_checkout):
+    """The queue of six through the CLI, SIGKILLed (as the OOM killer would) at the first benchmark pass of the run
+    (candidate 3's), then resumed to its end. -> (setup-like view, the run_finished event, records, the resume's
+    timings, the task as run)"""
     folder = tmp_path_factory.mktemp("queue-patches")
-    for n, patch in enumerate(QUEUE + ADVERSARIAL, 1):
+    for n, patch in enumerate(QUEUE, 1):
         shutil.copy(patch, folder / f"{n:02d}-{patch.name[3:]}")
-    return run_task(tmp_path_factory.mktemp("queue"), vllm_checkout,
-                    proposer={"kind": "queue", "patches": str(folder)}, budget={"max_candidates": 5})
-
-
-FLAGS_SETTINGS = ["--set", "budget.max_candidates=2", "--set", "proposer.seed=0",
-                  "--set", "proposer.space={max_num_seqs: [4, 32]}", "--set", "benchmark.noise_floor=false",
-                  "--set", "parity.num_prompts=8",
-                  # 8 pairs, not the task's 5: on a 2-core host the two vLLM servers take CPU from each other, passes
-                  # spread 2-3x, and with 5 pairs (and the order term) a real 2.4x could miss 1.05 at 95%
-                  "--set", "benchmark.repetitions=8"]
-
-
-@pytest.fixture(scope="module")
-def flags_run(tmp_path_factory, vllm_checkout):
-    """The flags search through the CLI, SIGKILLed (as the OOM killer would) at its candidate's first benchmark
-    pass, then resumed to its end: the resume's test and the flags search's tests read the same run, so the CPU
-    task's baseline phase is paid twice here rather than three times in two runs.
-    -> (setup-like view, the run_finished event, records, the resume's timings)"""
-    runs = tmp_path_factory.mktemp("flags") / "runs"
+    runs = tmp_path_factory.mktemp("real") / "runs"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     argv = [sys.executable, "-m", "agent.face.cli", "run", str(ROOT / "tasks" / "gemma4-tiny-cpu.yaml"),
-            "--runs-dir", str(runs), "--checkout", str(vllm_checkout), "--run-id", "cpu", "--quiet", *FLAGS_SETTINGS]
+            "--runs-dir", str(runs), "--checkout", str(vllm_checkout), "--run-id", "cpu", "--quiet",
+            "--proposer", "queue", "--patches", str(folder), *RUN_SETTINGS]
     harness_proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     trace = runs / "cpu" / "trace.jsonl"
     deadline = time.monotonic() + 1500
@@ -106,64 +91,70 @@ def flags_run(tmp_path_factory, vllm_checkout):
     output = resumed.stdout.read().decode()
     assert resumed.returncode == 0, output[-3000:]
     marks["whole"] = time.monotonic() - began
+    write_summary(runs / "cpu")
     records = read_trace(trace)
     started = records[0].event
     setup = SimpleNamespace(run_dir=runs / "cpu", repo=git.Repo(started.checkout),
                             workspace=SimpleNamespace(branch=started.branch), base_commit=started.base_commit)
-    return setup, records[-1].event, records, {"servers_left": left, **marks}
+    task = json.loads((runs / "cpu" / "task.json").read_text())
+    return setup, records[-1].event, records, {"servers_left": left, **marks}, task
 
 
-def test_patches_right_alone_and_wrong_in_batches_are_rejected_at_the_audit(queue_run):
+def per_benchmark(task: dict) -> tuple[int, int]:
+    """(requests, tokens) of one benchmark's candidate side: every pass's requests, each of output_len tokens."""
+    requests = task["benchmark"]["repetitions"] * task["workload"]["num_prompts"]
+    return requests, requests * task["workload"]["output_len"]
+
+
+def test_queue_run_rejects_each_bad_patch_at_its_stage(real_run):
+    setup, finished, records, _, task = real_run
+    assert events(records, "self_parity")[0].ok
+    decisions = {d.candidate: d for d in events(records, "decision")}
+    assert decisions[SURFACE].stage == "surface" and "outside the edit surface" in decisions[SURFACE].reason
+    assert not [e for e in events(records, "build") if e.candidate == SURFACE], "rejected before build"
+    assert decisions[PARITY].stage == "parity" and decisions[PARITY].verdict == "discard"
+    parity = [p for p in events(records, "parity") if p.candidate == PARITY][0]
+    assert not parity.ok and parity.divergence.position >= 0
+    assert f"prompt {parity.divergence.prompt_index} diverges at token {parity.divergence.position}" \
+        in decisions[PARITY].reason
+    assert decisions[NOOP].verdict == "discard" and decisions[NOOP].stage == "decision", decisions[NOOP].reason
+    [bench] = [b for b in events(records, "benchmark") if b.candidate == NOOP]  # the killed one left no record
+    assert bench.liveness.imported_patched == ["vllm/model_executor/models/gemma4.py"]
+    assert len([s for s in bench.samples if s.role == "candidate"]) == task["benchmark"]["repetitions"]
+
+
+def test_patches_right_alone_and_wrong_in_batches_are_rejected_at_the_audit(real_run):
     """Both patches change only Gemma 4's compute_logits, and only when a forward step samples several
     sequences: parity (one request at a time) sees the unmodified model. With max_num_seqs 32 they are
     faster; the audit of the benchmark's own outputs on the reference rejects them, naming the position."""
-    setup, finished, records = queue_run
+    setup, finished, records, _, task = real_run
+    requests, tokens = per_benchmark(task)
     decisions = {d.candidate: d for d in events(records, "decision")}
-    crosstalk_n, near_ties_n = 4, 5
-    for n in (crosstalk_n, near_ties_n):
+    for n in (CROSSTALK, NEAR_TIES):
         parity = next(p for p in events(records, "parity") if p.candidate == n)
         assert parity.ok, f"candidate {n} must pass parity for this test to mean anything"
         bench = next(b for b in events(records, "benchmark") if b.candidate == n)
         assert bench.liveness.imported_patched == ["vllm/model_executor/models/gemma4.py"]
         token_audit = next(a for a in events(records, "audit") if a.candidate == n)
-        assert token_audit.requests == 5 * 32 and token_audit.tokens == 5 * 32 * 32
+        assert token_audit.requests == requests and token_audit.tokens == tokens
         assert (decisions[n].verdict, decisions[n].stage) == ("discard", "audit"), decisions[n].reason
         assert not token_audit.verdict.passed and token_audit.control.tokens == token_audit.tokens
         assert not [b for b in events(records, "benchmark") if b.candidate == n and b.confirmation]
-    crosstalk = next(a for a in events(records, "audit") if a.candidate == crosstalk_n)
+    crosstalk = next(a for a in events(records, "audit") if a.candidate == CROSSTALK)
     assert crosstalk.verdict.test == "hard_bound" and crosstalk.deficits.max > 6  # another sequence's token
     v = crosstalk.violations[0]
-    assert f"request {v.request}, position {v.position}: returned {v.returned}" in decisions[crosstalk_n].reason
-    near_ties = next(a for a in events(records, "audit") if a.candidate == near_ties_n)
+    assert f"request {v.request}, position {v.position}: returned {v.returned}" in decisions[CROSSTALK].reason
+    near_ties = next(a for a in events(records, "audit") if a.candidate == NEAR_TIES)
     # the runner-up wherever the gap is under 1.5 nats: every such position flips, within any bound of a few
     # nats, far more often than the control (the same baseline, measured beside it)
     assert near_ties.verdict.test in ("hard_bound", "rate") and near_ties.deficits.non_top1 > 2 * near_ties.control.non_top1
-    assert finished.kept == 0 and audit(setup.run_dir).commits == 0
 
 
-def test_queue_run_rejects_each_bad_patch_at_its_stage(queue_run):
-    setup, finished, records = queue_run
-    assert events(records, "self_parity")[0].ok
-    decisions = {d.candidate: d for d in events(records, "decision")}
-    assert decisions[1].stage == "surface" and "outside the edit surface" in decisions[1].reason
-    assert not [e for e in events(records, "build") if e.candidate == 1], "rejected before build"
-    assert decisions[2].stage == "parity" and decisions[2].verdict == "discard"
-    parity = [p for p in events(records, "parity") if p.candidate == 2][0]
-    assert not parity.ok and parity.divergence.position >= 0
-    assert f"prompt {parity.divergence.prompt_index} diverges at token {parity.divergence.position}" \
-        in decisions[2].reason
-    assert decisions[3].verdict == "discard" and decisions[3].stage == "decision", decisions[3].reason
-    bench = [b for b in events(records, "benchmark") if b.candidate == 3][0]
-    assert bench.liveness.imported_patched == ["vllm/model_executor/models/gemma4.py"]
-    assert len([s for s in bench.samples if s.role == "candidate"]) == 5
-    assert finished.kept == 0 and setup.workspace.head() == setup.base_commit
-    assert audit(setup.run_dir).commits == 0
-
-
-def test_flags_search_commits_a_real_improvement(flags_run):
-    setup, finished, records, _ = flags_run
+def test_serving_flags_that_are_faster_are_kept_with_their_evidence(real_run):
+    setup, finished, records, _, task = real_run
+    requests, tokens = per_benchmark(task)
     keep = [d for d in events(records, "decision") if d.verdict == "keep"]
-    assert len(keep) == 1, [d.reason for d in events(records, "decision")]
+    assert [d.candidate for d in keep] == [KEEP], [d.reason for d in events(records, "decision")]
     assert keep[0].ci_low > 1.05
     commit = events(records, "commit")[0]
     repo = git.Repo(setup.repo.working_dir)
@@ -173,13 +164,13 @@ def test_flags_search_commits_a_real_improvement(flags_run):
     assert f"Nightshift-Trace-Event: {commit.decision_sha256}" in message
     assert "Nightshift-Speedup:" in message and "Nightshift-Parity:" in message
     assert "Nightshift-Audit: " in message and " 0 violations" in message
-    assert audit(setup.run_dir).commits == 1
+    assert audit(setup.run_dir).commits == 1 and finished.kept == 1
     summary = json.loads((setup.run_dir / "summary.json").read_text())
     calibration = summary["audit_calibration"]  # the A/A: the baseline's own outputs under load
     # as many tokens as a candidate's audit; on a CPU with AMX 3-4% of them are honestly not the top-1
-    assert calibration["calibration"] and calibration["tokens"] == 8 * 32 * 32 and calibration["violation_count"] == 0
+    assert calibration["calibration"] and calibration["tokens"] == tokens and calibration["violation_count"] == 0
     kept = next(c for c in summary["candidates"] if c["verdict"] == "keep")
-    assert kept["audit"]["tokens"] == 2 * 8 * 32 * 32 and kept["audit"]["violations"] == 0
+    assert kept["audit"]["tokens"] == 2 * tokens and kept["audit"]["violations"] == 0
     assert kept["audit"]["verdicts"] == ["pass", "pass"]  # max_num_seqs 32 changes batching, and numerics with it
     tables = {t.title.split(' ')[0]: t for t in review_tables(setup.run_dir)}
     assert tables['branch'].row_count == 1
@@ -187,8 +178,8 @@ def test_flags_search_commits_a_real_improvement(flags_run):
     assert finished.reason.startswith(("proposer exhausted", "budget"))
 
 
-def test_replay_catches_a_changed_byte_and_a_moved_branch(flags_run, tmp_path):
-    setup, _, records, _ = flags_run
+def test_replay_catches_a_changed_byte_and_a_moved_branch(real_run, tmp_path):
+    setup, _, records, _, _ = real_run
     trace = setup.run_dir / "trace.jsonl"
     original = trace.read_bytes()
     lines = original.split(b"\n")
@@ -215,14 +206,15 @@ def test_replay_catches_a_changed_byte_and_a_moved_branch(flags_run, tmp_path):
             audit(setup.run_dir)
     finally:
         repo.git.update_ref(f"refs/heads/{setup.workspace.branch}", head)
+        repo.git.worktree("remove", "--force", str(worktree))
     assert audit(setup.run_dir).commits == 1
 
 
-def test_a_run_killed_during_a_benchmark_resumes(flags_run):
+def test_a_run_killed_during_a_benchmark_resumes(real_run):
     """SIGKILLed mid-benchmark, the harness leaves its servers running; the resume reaps them, runs the baseline
     phase again, evaluates the candidate in flight again from its proposal (not proposed again), and finishes a
     run that replay accepts."""
-    setup, finished, records, marks = flags_run
+    setup, finished, records, marks, _ = real_run
     assert marks["servers_left"], "the dead harness left its servers running"
     print(f"\nresume on the CPU task: checks and resumed record {marks['resumed']:.1f} s; baseline phase done, "
           f"candidate in flight started again {marks['candidate']:.1f} s; whole resumed run {marks['whole']:.1f} s")
@@ -230,14 +222,52 @@ def test_a_run_killed_during_a_benchmark_resumes(flags_run):
     assert result.finished and finished.kind == "run_finished"
     evs = [r.event for r in records]
     resumed = [e for e in evs if e.kind == "resumed"]
-    assert len(resumed) == 1 and resumed[0].candidate == 1 and resumed[0].reaped >= 2
-    assert len(events(records, "proposal")) == 1
-    assert [d.candidate for d in events(records, "decision")] == [1]
+    assert len(resumed) == 1 and resumed[0].candidate == NOOP and resumed[0].reaped >= 2
+    assert [p.candidate for p in events(records, "proposal")] == list(range(1, 7))  # none proposed twice
+    assert [d.candidate for d in events(records, "decision")] == list(range(1, 7))
     assert not list(setup.run_dir.glob("servers/*/pid"))
-    replay = subprocess.run([sys.executable, "-m", "agent.face.cli", "replay", "cpu", "--runs-dir",
-                             str(setup.run_dir.parent)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            capture_output=True, text=True)
+    replay = cli("replay", "cpu", "--runs-dir", str(setup.run_dir.parent))
     assert replay.returncode == 0 and "audit ok" in replay.stdout, replay.stdout + replay.stderr
+
+
+def test_verify_of_the_kept_branch_on_a_small_grid_and_its_report(real_run):
+    """`nightshift verify <run-id>`: the branch head (its kept max_num_seqs 32) against the base, over a small grid;
+    then `nightshift report`, whose page holds the run and the grid."""
+    setup, _, _, _, _ = real_run
+    out = cli("verify", "cpu", "--runs-dir", str(setup.run_dir.parent), "--input-lens", "32,64,4096",
+              "--output-lens", "16", "--concurrency", "1,4", "--repetitions", "3", "--set", "parity.num_prompts=3",
+              timeout=840)
+    print(out.stdout[-6000:], out.stderr[-3000:])
+    assert out.returncode in (0, 1), out.stderr
+    folder = setup.run_dir
+    data = json.loads((folder / "verify" / "verify.json").read_text())
+    assert out.returncode == (1 if data["regressions"] or data["failed"] else 0)
+    cells = {c["key"]: c for c in data["cells"]}
+    assert sorted(cells) == sorted(f"in{i}-out16-c{c}" for i in (32, 64, 4096) for c in (1, 4))
+    for c in (1, 4):
+        assert cells[f"in4096-out16-c{c}"]["status"] == "skipped"
+        assert "max_position_embeddings 4096" in cells[f"in4096-out16-c{c}"]["reason"]
+    assert data["grid"]["max_model_len"] == 64 + 16 + 1
+    assert "parity.num_prompts=3" in data["settings"]
+    assert data["head"]["engine_args"]["max_num_seqs"] == 32 and data["base"]["engine_args"]["max_num_seqs"] == 4
+    for key in ("in32-out16-c1", "in32-out16-c4", "in64-out16-c1", "in64-out16-c4"):
+        cell = cells[key]
+        assert cell["status"] == "ok", cell["reason"]
+        assert cell["parity"]["ok"] and cell["parity"]["regime"] == "sequential" and cell["parity"]["prompts"] == 3
+        assert cell["audit"]["passed"] and cell["audit"]["tokens"] == 3 * cell["num_prompts"] * 16
+        assert cell["baseline"]["total_token_throughput"] > 0 and cell["head"]["median_tpot_ms"] > 0
+        gain = cell["speedup"]["total_token_throughput"]
+        assert gain["ci_low"] <= gain["speedup"] <= gain["ci_high"]
+        assert cell["regression"] == (gain["ci_high"] < 1.0)
+    env = data["environment"]
+    assert env["gpu"] == "cpu" and env["vllm"].startswith("0.32.0") and env["max_model_len"] == 81
+    assert "| 32 | 16 |" in (folder / "verify" / "verify.md").read_text()
+    assert "grid cells" in out.stdout or "cells:" in out.stdout
+    assert not any(p.name in ("baseline", "head") for p in (folder / "verify" / "worktrees").glob("*"))
+    report = cli("report", "cpu", "--runs-dir", str(setup.run_dir.parent))
+    assert report.returncode == 0, report.stdout + report.stderr
+    page = (folder / "report.html").read_text()
+    assert "Verify grid" in page and "max_num_seqs" in page
 
 
 PARALLEL_SETTINGS = [  # one candidate per worker on a small workload: max_num_seqs 4 then 32 (likely kept)

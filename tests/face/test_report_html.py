@@ -30,7 +30,8 @@ CHROMIUM, DRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 GRID = dict(input_lens=[8, 16, 120], output_lens=[32], concurrency=[1, 4])
 
 
-pytestmark = [pytest.mark.serial, pytest.mark.slow]  # serial: verify's speedup bounds (a 4x faster head) and headless Chromium
+pytestmark = [pytest.mark.paced, pytest.mark.slow]  # paced: verify's speedup bounds (a 4x faster head) and headless
+# Chromium
 
 
 @pytest.fixture(scope="module")

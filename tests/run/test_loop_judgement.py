@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 VERSION = "0.32.0"
 
 
-pytestmark = pytest.mark.serial  # serial: speedup intervals and the idle-work check's CPU counts
+pytestmark = pytest.mark.paced  # paced: speedup intervals of fake servers many times their noise; the idle-work
+# check counts CPU seconds and is serial
 
 
 @pytest.mark.slow
@@ -430,6 +431,7 @@ def test_an_incumbent_that_fails_again_beside_the_same_candidate_crashes_the_can
 
 @pytest.mark.parametrize("variant", ["spinning", "sly", "unchecked"])
 @pytest.mark.slow
+@pytest.mark.serial  # CPU seconds of idle servers: nothing else may run beside it
 def test_a_candidate_that_works_while_the_incumbent_is_measured(run, monkeypatch, variant):
     """The adversary: as fast as the incumbent on its own, but its server spins on every core whenever it has no
     request, so the incumbent's passes run slower and the candidate looks faster. Before each pass the harness

@@ -31,7 +31,8 @@ NO_CHILD_KILLING = {"RAY_kill_child_processes_on_worker_exit": "0", "RAY_process
 (as where the raylet itself was killed) and the resumed run must kill them."""
 
 
-pytestmark = [pytest.mark.serial, pytest.mark.slow]  # serial: keeps by speed must repeat the uninterrupted run's
+pytestmark = [pytest.mark.paced, pytest.mark.slow]  # paced: keeps by speed (fake speedups of 2.5x and more) must
+# repeat the uninterrupted run's
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,8 @@ PATCHES = {  # the baseline takes 20 ms a token: passes long enough to measure o
 }
 
 
-pytestmark = pytest.mark.serial  # serial: keeps by speed must repeat the uninterrupted run's
+pytestmark = pytest.mark.paced  # paced: keeps by speed (fake speedups of 2.5x and more) must repeat the
+# uninterrupted run's
 
 
 def harness(*args: str, crash: str = "", timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:

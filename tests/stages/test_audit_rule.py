@@ -134,7 +134,7 @@ def audits_of(setup) -> dict[int, object]:
             if r.event.kind == "audit" and not r.event.calibration}
 
 
-@pytest.mark.serial  # its keeps are measured speed
+@pytest.mark.paced  # its keeps are measured speed, of fake servers far apart
 @pytest.mark.slow  # one noisy fake run of several candidates, 40-80 s a test
 def test_honest_candidates_with_the_machines_noise_are_never_rejected_at_the_audit(noisy_run):
     """Six honest candidates (faster or not) whose servers flip near-ties as the baseline's do, at the CPU's and
@@ -159,7 +159,7 @@ def test_honest_candidates_with_the_machines_noise_are_never_rejected_at_the_aud
     assert "not top-1 against the control's" in commit.message
 
 
-@pytest.mark.serial  # its keeps are measured speed
+@pytest.mark.paced  # its keeps are measured speed, of fake servers far apart
 @pytest.mark.slow  # one noisy fake run of several candidates, 40-80 s a test
 def test_candidates_that_would_fool_a_fixed_tolerance_are_rejected(noisy_run):
     """Each stays within any sane per-token tolerance, or touches few requests, and is faster."""
@@ -188,7 +188,7 @@ def test_candidates_that_would_fool_a_fixed_tolerance_are_rejected(noisy_run):
     check_decisions(read_trace(setup.run_dir / "trace.jsonl"))
 
 
-@pytest.mark.serial  # its keeps are measured speed
+@pytest.mark.paced  # its keeps are measured speed, of fake servers far apart
 @pytest.mark.slow  # one noisy fake run of several candidates, 40-80 s a test
 def test_replay_catches_a_tampered_deficit_at_its_record(noisy_run):
     setup, loop = noisy_run(dict([candidate(1, "exact", 0.004, "jitter", noise_rate=4 * CPU_RATE, noise_scale=0.4),
