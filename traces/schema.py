@@ -344,6 +344,9 @@ class LlmCall(Event):
     error: str | None = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
     """The tool calls of the answer, each {id, name, arguments} (`arguments` as the model sent it, a string)."""
+    message: dict[str, Any] | None = None
+    """The assistant message as the endpoint streamed it, provider fields included (e.g. a tool call's
+    `extra_content`), which the next turn sends back verbatim; None in traces written before it was kept."""
 
 
 class ToolCall(Event):
