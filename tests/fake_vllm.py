@@ -35,6 +35,9 @@ a device would. FAKE_FREEZE=NAME:N[,NAME:N...] in the environment: the server na
 mid-stream once it has begun N+1 streamed completions, and never sends another byte (it still answers /health),
 as a wedged engine does. FAKE_CPU_BOUND=1: the per-token delay is spent computing, not sleeping, so a server
 slows when others take its CPU. FAKE_START_S=S: every server waits S seconds before it starts (a slow host).
+GET /metrics serves vLLM's `vllm:iteration_tokens_total` histogram (_count: engine steps, _sum: tokens): tokens
+generated within one per-token delay of each other count as one engine step, as a batch would; a request's
+prompt counts with its first token. `metrics: false` serves no /metrics (404), as an older vLLM would not.
 """
 import hashlib
 import json
@@ -119,6 +122,28 @@ if config.get("idle_burn_sly") and burners:
 freeze_after = {k: int(v) for k, _, v in (e.partition(":") for e in os.environ.get("FAKE_FREEZE", "").split(",") if e)}.get(name)
 
 
+steps = step_tokens = 0
+last_slot = None
+
+
+def engine_step(tokens: int, delay_s: float) -> None:
+    """Counts `tokens` into the engine-step histogram; a new step where no token came in this delay's slot."""
+    global steps, step_tokens, last_slot
+    slot = int(time.monotonic() / max(delay_s, 1e-4))
+    with lock:
+        if slot != last_slot:
+            steps, last_slot = steps + 1, slot
+        step_tokens += tokens
+
+
+def metrics() -> bytes:
+    name = "vllm:iteration_tokens_total"
+    labels = '{engine="0",model_name="model"}'
+    return (f"# HELP {name} Histogram of number of tokens per engine_step.\n# TYPE {name} histogram\n"
+            f'{name}_bucket{{engine="0",le="+Inf",model_name="model"}} {float(steps)}\n'
+            f"{name}_count{labels} {float(steps)}\n{name}_sum{labels} {float(step_tokens)}\n").encode()
+
+
 def top1(prefix: list[int]) -> int:
     digest = hashlib.sha256(json.dumps(prefix).encode()).digest()
     return 4 + int.from_bytes(digest[:4], "little") % 4090
@@ -183,6 +208,14 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self):
+        if self.path == "/metrics" and config.get("metrics", True):
+            payload = metrics()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+            return
         self.send_response(200 if self.path == "/health" else 404)
         self.send_header("Content-Length", "0")
         self.end_headers()
@@ -220,6 +253,7 @@ class Handler(BaseHTTPRequestHandler):
             self.end_headers()
             for step, (_, token) in enumerate(generate(body["prompt"], count, crowded, picked)):
                 wait(delay_s)
+                engine_step(1 + (len(body["prompt"]) if step == 0 else 0), delay_s)
                 if frozen and step == count // 2:
                     time.sleep(3600)
                 chunk = {"choices": [{"index": 0, "text": "", "token_ids": [token]}]}

@@ -159,6 +159,13 @@ class Sample(BaseModel):
     the harness cannot see its processes."""
     settle_s: float | None = None
     """Seconds the harness waited before the pass for both servers to go quiet (benchmark.settle_s)."""
+    engine_steps: int | None = None
+    """Engine steps the measured server ran during the pass: the growth of its Prometheus histogram
+    `vllm:iteration_tokens_total`'s _count, read before and after the pass; None where the server has no such
+    metric (older vLLM, stand-ins). The server reports it: a diagnostic, never read by the decision."""
+    step_tokens: int | None = None
+    """Tokens (prompt and output) those steps processed: the same histogram's _sum; step_tokens / engine_steps
+    is the pass's batch occupancy (agent/stages/stats.py tokens_per_step, off_schedule)."""
 
 
 class Liveness(BaseModel):
@@ -192,6 +199,9 @@ class Look(BaseModel):
 
 class Sequential(BaseModel):
     spending: str = "lan-demets-obrien-fleming"
+    estimator: str = "mean-t"
+    """Which location and interval each look used (agent/stages/stats.py ESTIMATORS); traces written before
+    it was recorded were decided by the mean with the order term and a t interval, "mean-t"."""
     alpha: float
     """One-sided: (1 - confidence) / 2, the chance of accepting at a true speedup of min_speedup."""
     planned: list[int]

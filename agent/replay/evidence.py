@@ -1,7 +1,8 @@
 """Replay's second half: every recorded keep/discard must follow from its recorded evidence.
 
 The speedup and interval are recomputed from the benchmark's samples with the task's acceptance
-rule; a token audit's verdict is recomputed from its recorded deficits by the audit rule (its counts must
+rule, by the estimator the benchmark recorded (a trace written before the estimator was a setting was decided
+by the mean with a t interval, and is re-derived by it); a token audit's verdict is recomputed from its recorded deficits by the audit rule (its counts must
 agree with those deficits, and the control and A/A it was compared with are the ones in the trace); where the task sets
 benchmark.max_idle_cpu, a benchmark counts only if the candidate's server did not work while the
 incumbent was measured. A decision that does not follow names its record."""
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 import math
 
-from agent.stages.stats import accepts, estimate_speedup, idle_work, order_signs, plan_looks, sequential_estimate
+from agent.stages.stats import (MEAN_T, accepts, estimate_speedup, idle_work, order_signs, plan_looks,
+                                sequential_estimate)
 from agent.world.task import Acceptance, Audit, Benchmark
 from agent.stages.token_audit import EPSILON_NATS, audit_passed, calibration_refusal, judge
 from traces import TraceError
@@ -28,6 +30,7 @@ def check_decisions(records: list[Record]) -> int:
     acceptance = Acceptance.model_validate(started.task.get("acceptance", {}))
     b = Benchmark.model_validate(started.task.get("benchmark", {}))
     planned = plan_looks(b.repetitions, b.max_repetitions, b.look_every)
+    estimator = task_estimator(started.task)
     audited = bool(started.task.get("audit", {}).get("enabled", False))
     rule = Audit.model_validate(started.task.get("audit", {}))
     calibrations: dict[int, TokenAudit] = {}
@@ -38,7 +41,7 @@ def check_decisions(records: list[Record]) -> int:
         event, line = record.event, record.seq + 1
         if isinstance(event, BenchReport):
             reports[event.candidate, event.confirmation] = event
-            _check_report(event, acceptance, line, planned)
+            _check_report(event, acceptance, line, planned, estimator)
             busy = idle_work(event.samples, b.max_idle_cpu)
             if busy:
                 raise TraceError(line, f"benchmark of candidate {event.candidate} counted, though {busy}")
@@ -97,13 +100,20 @@ def _check_audit(event: TokenAudit, line: int, rule: Audit, acceptance: Acceptan
                                f"concentration p={derived.concentration_p_value:.4g})")
 
 
-def _check_report(report: BenchReport, acceptance: Acceptance, line: int, planned: list[int]) -> None:
+def task_estimator(task: dict) -> str:
+    """The estimator a run's task set: as recorded in its run_started record, or, where the task predates the
+    setting, the rule that decided then (the mean with a t interval), not today's default."""
+    return task.get("acceptance", {}).get("estimator", MEAN_T)
+
+
+def _check_report(report: BenchReport, acceptance: Acceptance, line: int, planned: list[int],
+                  estimator: str = MEAN_T) -> None:
     candidate = [getattr(s, report.metric) for s in report.samples if s.role == "candidate"]
     incumbent = [getattr(s, report.metric) for s in report.samples if s.role == "incumbent"]
     if report.sequential is None:  # fixed repetitions, before the stopping rule was recorded
         estimate = estimate_speedup(candidate, incumbent, acceptance.min_speedup, acceptance.confidence)
     else:
-        estimate = _check_sequential(report, candidate, incumbent, acceptance, line, planned)
+        estimate = _check_sequential(report, candidate, incumbent, acceptance, line, planned, estimator)
     if not (_close(report.speedup, estimate.speedup) and _close(report.ci_low, estimate.ci_low)
             and _close(report.ci_high, estimate.ci_high)):
         raise TraceError(line, f"benchmark of candidate {report.candidate}: its samples give "
@@ -112,19 +122,23 @@ def _check_report(report: BenchReport, acceptance: Acceptance, line: int, planne
 
 
 def _check_sequential(report: BenchReport, candidate: list[float], incumbent: list[float], acceptance: Acceptance,
-                      line: int, planned: list[int]):
-    """The looks again from the samples: the planned looks and the boundaries from the spending function, each
-    statistic, and the stop at the first look that crossed a boundary, with no pair measured after it."""
+                      line: int, planned: list[int], estimator: str = MEAN_T):
+    """The looks again from the samples: the planned looks and the boundaries from the spending function, the
+    estimator the task set, each statistic, and the stop at the first look that crossed a boundary, with no
+    pair measured after it."""
     recorded, where = report.sequential, f"benchmark of candidate {report.candidate}"
     if recorded.planned != planned:
         raise TraceError(line, f"{where}: planned looks {recorded.planned}, the task's benchmark plans {planned}")
+    if recorded.estimator != estimator:
+        raise TraceError(line, f"{where}: decided by estimator {recorded.estimator}, the task sets {estimator}")
     logs = [math.log(c / i) for c, i in zip(candidate, incumbent)]
     try:
         estimate, derived = sequential_estimate(logs, order_signs([s.role for s in report.samples]), planned,
-                                                acceptance.confidence, acceptance.min_speedup)
+                                                acceptance.confidence, acceptance.min_speedup, recorded.estimator)
     except ValueError as exc:
         raise TraceError(line, f"{where}: {exc}") from None
-    if recorded.spending != derived.spending or not _close(recorded.alpha, derived.alpha):
+    if recorded.spending != derived.spending or recorded.order_term != derived.order_term \
+            or not _close(recorded.alpha, derived.alpha):
         raise TraceError(line, f"{where}: recorded spending {recorded.spending} at alpha {recorded.alpha}, the task "
                                f"gives {derived.spending} at alpha {derived.alpha}")
     for got, want in zip(recorded.looks, derived.looks):

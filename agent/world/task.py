@@ -137,6 +137,10 @@ class Acceptance(Strict):
     confirmations: int = Field(0, ge=0)
     """Independent benchmarks (fresh prompts, fresh warmup) a candidate that passed must also pass; the
     last one's estimate, free of the selection that picked the candidate, is the one recorded."""
+    estimator: Literal["trimmed-20", "mean-t"] = "trimmed-20"
+    """The location and interval the benchmark's rule reads (agent/stages/stats.py ESTIMATORS): the 20% trimmed
+    mean with Yuen's interval, which one slow pass cannot move, or the mean with a t interval (the former rule;
+    replay re-derives a run recorded without this setting by it). benchmarks/results/estimator-simulation.md."""
 
 
 class Audit(Strict):
