@@ -136,7 +136,8 @@ def billed_usage(raw: dict[str, Any]) -> dict[str, int]:
         except (TypeError, ValueError):
             return 0
 
-    prompt, completion, total = num(raw.get("prompt_tokens")), num(raw.get("completion_tokens")), num(raw.get("total_tokens"))
+    prompt, completion = num(raw.get("prompt_tokens")), num(raw.get("completion_tokens"))
+    total = num(raw.get("total_tokens"))
     details = raw.get("completion_tokens_details") or {}
     reasoning = num(details.get("reasoning_tokens") if isinstance(details, dict) else 0)
     if total:
