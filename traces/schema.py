@@ -271,8 +271,10 @@ class AuditVerdict(BaseModel):
     position, then the candidate's rate of non-top-1 tokens against the honest rate measured beside it."""
 
     passed: bool
-    test: Literal["pass", "hard_bound", "rate", "concentration"]
-    """The first part of the rule that rejected, or `pass`."""
+    test: Literal["pass", "hard_bound", "rate", "concentration", "invalid"]
+    """The first part of the rule that rejected, or `pass`; `invalid`: outputs the reference cannot score (ids outside
+    the vocabulary, a wrong count of tokens, a malformed answer, or tokens the reference refused while it answered
+    the harness's own prompt), listed in the audit's `invalid`."""
     reason: str
     hard_bound_nats: float
     rate_ratio: float
@@ -290,6 +292,22 @@ class AuditVerdict(BaseModel):
     concentration_p_value: float
     """Bonferroni over requests: the most non-top-1 positions in one request against Binomial(its tokens,
     rate_ratio x the reference rate, floored at one position per request)."""
+
+
+class InvalidOutput(BaseModel):
+    """One output the reference cannot score, found before it was sent (`vocabulary`, `count`, `malformed`) or
+    refused by a reference that answered the harness's own prompt right after (`refused`)."""
+
+    side: Literal["candidate", "control"] = "candidate"
+    repetition: int
+    request: int
+    kind: Literal["vocabulary", "count", "malformed", "refused"]
+    detail: str
+    position: int | None = None
+    token: int | None = None
+    """The offending id (`vocabulary`)."""
+    limit: int | None = None
+    """The bound it broke: the model's vocab_size (`vocabulary`) or the tokens asked for (`count`)."""
 
 
 class TokenAudit(Event):
@@ -319,6 +337,19 @@ class TokenAudit(Event):
     verdict: AuditVerdict | None = None
     """The rule's decision; absent on the A/A and in traces written before the rate rule, whose verdict is
     `violation_count == 0` against `tolerance_nats`."""
+    invalid: list[InvalidOutput] = Field(default_factory=list)
+    """Outputs the reference cannot score (the first 20 per side): a candidate's reject it with test `invalid`, the
+    control's flag the incumbent."""
+    invalid_count: int = 0
+    control_verdict: AuditVerdict | None = None
+    """The incumbent's outputs of this benchmark (the control) judged by the same rule against the run's A/A alone.
+    Failed, the control is not a reference for the candidate, and the incumbent is audited again on fresh prompts
+    (agent/run/recheck.py). Absent in traces written before the incumbent was checked."""
+    incumbent: bool = False
+    """The incumbent's own audit on fresh prompts, its verdict against the A/A: after a flagged control
+    (`candidate` is the candidate whose benchmark flagged it), or the branch head at the end of a run (`candidate`
+    0). `commit` names the commit it served."""
+    commit: str = ""
 
 
 class Decision(Event):
@@ -505,6 +536,38 @@ class IncumbentRestarted(Event):
     """The failed server's processes just before it was stopped (sandbox/host.py snapshot)."""
 
 
+class IncumbentReverted(Event):
+    """A kept change found wrong later: the incumbent (the branch head's server) failed its audit in a benchmark and
+    again on fresh prompts, or at the end-of-run check. The branch goes back to the commit before that keep by a new
+    commit restoring its tree (`reverted`), and the incumbent is served from it."""
+    kind: Literal["incumbent_reverted"] = "incumbent_reverted"
+    candidate: int
+    """The candidate whose benchmark found it (0: the end-of-run check)."""
+    confirmation: int = 0
+    failed_commit: str
+    """The branch head whose server failed."""
+    kept_by: int
+    """The candidate whose keep made `failed_commit`."""
+    restored: str
+    """The commit whose tree the branch goes back to (the one before the keep)."""
+    audit_seed: int
+    """The sample_seed of the incumbent's failing audit on fresh prompts (a TokenAudit with `incumbent`)."""
+    speedup: float
+    """The reverted keep's speedup, taken out of the run's cumulative speedup."""
+    reason: str
+
+
+class Reverted(Event):
+    """The commit that restored the branch after an `incumbent_reverted` record (its trailer names that record)."""
+    kind: Literal["reverted"] = "reverted"
+    candidate: int
+    """The candidate whose keep was reverted."""
+    branch: str
+    commit: str
+    reverts: str
+    event_sha256: str
+
+
 class RunFinished(Event):
     kind: Literal["run_finished"] = "run_finished"
     reason: str
@@ -525,7 +588,7 @@ AnyEvent = Annotated[
         RunStarted, SelfParity, Proposal, PatchApplied, Build, ParityReport, SampleTaken, BenchReport, TokenAudit,
         Decision,
         Commit, LlmCall, ToolCall, NotebookEntry, ProposalInvalid, NoiseFloor, Resumed, Remeasured, IncumbentRestarted,
-        RunFinished,
+        IncumbentReverted, Reverted, RunFinished,
     ],
     Field(discriminator="kind"),
 ]

@@ -41,8 +41,8 @@ from sandbox.base import Sandbox
 from traces import TraceError, TraceWriter
 from traces.errors import NightshiftError
 from traces.log import parse_trace
-from traces.schema import (Commit, Decision, ParityReport, PatchApplied, Proposal, Record, Resumed, RunFinished,
-                           RunStarted, TokenAudit)
+from traces.schema import (Commit, Decision, IncumbentReverted, ParityReport, PatchApplied, Proposal, Record,
+                           Resumed, Reverted, RunFinished, RunStarted, TokenAudit)
 
 
 class ResumeRefused(NightshiftError):
@@ -142,18 +142,28 @@ def rebuild(records: list[Record]) -> Resumption:
             proposed_on[record.event.candidate] = head
         elif isinstance(record.event, Decision):
             decisions[record.event.candidate] = record
-        elif isinstance(record.event, Commit):
+        elif isinstance(record.event, (Commit, Reverted)):
             head = record.event.commit
     history = [Attempt(proposals[n], decisions[n].event) for n in sorted(decisions, key=lambda n: decisions[n].seq)]
     keeps = [r for r in decisions.values() if r.event.verdict == "keep"]
     pending = next((r for r in keeps if r.sha256 not in committed), None)
     best = math.prod(r.event.speedup for r in keeps)
+    taken_back = _taken_back(records)  # keeps whose server failed the audit later, reverted on the branch
+    best /= math.prod(taken_back)
     redo = [proposals[n] for n in sorted(proposals) if n not in decisions]
-    state = Resumption(event=None, history=history, best_speedup=best, kept=len(keeps), spent_s=_spent(records),
+    state = Resumption(event=None, history=history, best_speedup=best, kept=len(keeps) - len(taken_back),
+                       spent_s=_spent(records),
                        redo=redo, proposed_on=proposed_on)
     if pending is not None:
         state.pending = _pending(records, pending, proposals[pending.event.candidate])
     return state
+
+
+def _taken_back(records: list[Record]) -> list[float]:
+    """The speedups of the keeps a `reverted` record took back (agent/run/recheck.py)."""
+    by_sha = {r.sha256: r.event for r in records}
+    return [by_sha[r.event.event_sha256].speedup for r in records
+            if isinstance(r.event, Reverted) and isinstance(by_sha.get(r.event.event_sha256), IncumbentReverted)]
 
 
 def nothing_left(task, state: Resumption) -> str:
@@ -183,7 +193,8 @@ def _pending(records: list[Record], decision: Record, proposal: Proposal) -> Pen
     after = [r.event for r in records[start:decision.seq]]
     applied = records[start].event
     parity = [e for e in after if isinstance(e, ParityReport) and e.candidate == n]
-    audits = [e for e in after if isinstance(e, TokenAudit) and e.candidate == n and not e.calibration]
+    audits = [e for e in after if isinstance(e, TokenAudit) and e.candidate == n and not e.calibration
+              and not e.incumbent]
     return PendingKeep(decision, proposal, applied, parity[-1].digest, audits)
 
 
