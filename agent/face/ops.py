@@ -79,6 +79,7 @@ def run_status(run_dir: Path, now: float | None = None) -> RunStatus:
     last = records[-1].event
     decisions = [r.event for r in records if isinstance(r.event, Decision)]
     committed = {r.event.candidate for r in records if isinstance(r.event, Commit)}
+    committed -= {r.event.candidate for r in records if r.event.kind == "reverted"}  # kept, then taken back
     best = 1.0
     for decision in decisions:
         if decision.candidate in committed and decision.speedup:

@@ -76,7 +76,9 @@ def check_decisions(records: list[Record]) -> int:
             _check_decision(event, line, reports, audits, acceptance, audited)
             checked += 1
     last = records[-1].event
-    checks_incumbent = any(isinstance(r.event, TokenAudit) and r.event.control_verdict is not None for r in records)
+    # the single-GPU loop's runs since the incumbent is checked (a parallel run's coordinator does not audit its head)
+    checks_incumbent = started.task.get("sandbox", {}).get("workers", 1) <= 1 and any(
+        isinstance(r.event, TokenAudit) and r.event.control_verdict is not None for r in records)
     if checks_incumbent and keeps and isinstance(last, RunFinished) and not last.resumable \
             and checked_head != keeps[-1][0]:
         raise TraceError(len(records), f"the run finished with candidate {keeps[-1][1]}'s commit "
