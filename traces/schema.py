@@ -7,7 +7,7 @@ Each is one pydantic model and one line of `trace.jsonl`. A rejection at any sta
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,6 +25,42 @@ class Event(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class CheckpointWritten(BaseModel):
+    """How a seeded synthetic checkpoint was written (agent/world/checkpoint.py): the same seed gives other weights
+    on another device, dtype or library version, so two hosts whose sha256 differ name the cause here."""
+
+    sha256: str = ""
+    seed: int | None = None
+    recipe: str = ""
+    device: str = ""
+    """`cuda` or `cpu`: where the seeded initialisation ran."""
+    device_name: str = ""
+    """The GPU's name (torch.cuda.get_device_name), or the CPU's machine type."""
+    dtype: str = ""
+    torch: str = ""
+    cuda: str = ""
+    """The CUDA torch was built with ("" on a CPU build)."""
+    transformers: str = ""
+    safetensors: str = ""
+    numpy: str = ""
+
+    CAUSES: ClassVar[tuple[str, ...]] = ("device", "device_name", "dtype", "torch", "cuda", "transformers",
+                                         "safetensors", "numpy", "seed", "recipe")
+
+    def describe(self) -> str:
+        where = self.device + (f" ({self.device_name})" if self.device_name else "")
+        return (f"sha256 {self.sha256[:16]}, seed {self.seed}, written on {where or '?'} in {self.dtype or '?'} "
+                f"with torch {self.torch or '?'}" + (f" (CUDA {self.cuda})" if self.cuda else "")
+                + f", transformers {self.transformers or '?'}, safetensors {self.safetensors or '?'}, "
+                  f"numpy {self.numpy or '?'}")
+
+    def differences(self, other: "CheckpointWritten") -> list[str]:
+        """`name: ours -> theirs` for each way of writing that differs (unknown on either side: not compared)."""
+        return [f"{name} {getattr(self, name)} -> {getattr(other, name)}" for name in self.CAUSES
+                if getattr(self, name) not in ("", None) and getattr(other, name) not in ("", None)
+                and getattr(self, name) != getattr(other, name)]
+
+
 class RunStarted(Event):
     kind: Literal["run_started"] = "run_started"
     format_version: int = FORMAT_VERSION
@@ -39,6 +75,8 @@ class RunStarted(Event):
     branch: str
     model_sha256: str
     model_margins: dict[str, float] | None = None
+    model_written: CheckpointWritten | None = None
+    """How the seeded synthetic checkpoint was written (None: real weights, or a run from before it was recorded)."""
     task: dict[str, Any]
     host: str = ""
     run_dir: str = ""
@@ -474,6 +512,9 @@ class Moved(BaseModel):
     pack_sha256: str = ""
     packed_live: bool = False
     """The pack was taken while its harness still ran: that harness went on without this continuation."""
+    queue: str = ""
+    """A queue run's patch folder here: the recorded one, the same place in this project, or the pack's copy in the
+    run folder (`queued-patches`) where neither exists."""
 
 
 class Resumed(Event):

@@ -122,6 +122,7 @@ def run(
     setup = prepare_run(task, runs_dir, run_id=run_id, task_file=task_as_written)
     console.print(f"run [bold]{setup.run_id}[/bold] -> {setup.run_dir}  branch {setup.workspace.branch}",
                   soft_wrap=True)
+    console.print(escape(setup.model.describe()), soft_wrap=True, highlight=False)
     if setup.relaxed:
         console.print(f"[yellow]relaxed:[/yellow] {escape('; '.join(map(describe_relaxed, setup.relaxed)))}",
                       soft_wrap=True, highlight=False)
@@ -153,6 +154,7 @@ def resume_loop(run: str, runs_dir: Path, quiet: bool, vllm_version: str | None 
                                                  checkout=checkout)
     console.print(f"run [bold]{setup.run_id}[/bold] {escape(describe(state.event))} "
                   f"(checked in {time.monotonic() - started:.1f} s)", soft_wrap=True)
+    console.print(escape(setup.model.describe()), soft_wrap=True, highlight=False)
     run_loop(setup, proposer, quiet, sandbox=sandbox, resume=state, worker_sandbox=worker_sandbox)
 
 

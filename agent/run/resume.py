@@ -26,8 +26,9 @@ import git
 
 from agent.replay.chain import audit, resolve_run, stopped
 from agent.world.checkout import installed_vllm, open_checkout
-from agent.world.checkpoint import cache_root, prepare_model
-from agent.run.move import Arrival, is_pack, moved, place_checkout, refuse_if_alive_here, settled, unpack
+from agent.world.checkpoint import cache_root, mismatch, prepare_model
+from agent.run.move import (Arrival, find_queue, is_pack, moved, place_checkout, refuse_if_alive_here, settled,
+                            unpack)
 from agent.run.commits import commit_keep
 from agent.run.relaxed import of_run
 from agent.proposers import Proposer, make_proposer
@@ -204,6 +205,7 @@ def open_run(run_dir: Path, records: list[Record], vllm_version: str | None, loc
     branch brought into this host's checkout first)."""
     started: RunStarted = records[0].event
     task = map_project_paths(parse_task(started.task, f"{run_dir / 'trace.jsonl'} (run_started.task)"), here)
+    find_queue(task, run_dir)
     linked = vllm_version is None
     version = installed_vllm()[1] if linked else vllm_version
     if version != started.vllm_version:
@@ -211,7 +213,7 @@ def open_run(run_dir: Path, records: list[Record], vllm_version: str | None, loc
     model = prepare_model(task)
     if model.sha256 != started.model_sha256:
         raise ResumeRefused(f"the model's weights are not the run's (sha256 {model.sha256[:12]}, the run had "
-                            f"{started.model_sha256[:12]})")
+                            f"{started.model_sha256[:12]}): {mismatch(started.model_written, model)}")
     repo = open_checkout(place_checkout(run_dir, records, version, checkout, linked), version)
     vocab_size = int(json.loads((model.path / "config.json").read_text())["vocab_size"])
     workspace = Workspace(repo, started.run_id, run_dir / "worktrees")
@@ -317,7 +319,8 @@ def resume_run(run: str, runs_dir: Path, vllm_version: str | None = None, sandbo
         head_commit=setup.workspace.head(), candidates_done=len(state.history), kept=state.kept,
         best_speedup=state.best_speedup, spent_s=round(state.spent_s, 3),
         downtime_s=round(max(0.0, time.time() - last.time), 3), reaped=reaped, worktrees_removed=removed,
-        finishing=nothing_left(setup.task, state), moved=moved(records, run_dir, Path(setup.repo.working_dir), arrival))
+        finishing=nothing_left(setup.task, state),
+        moved=moved(records, run_dir, Path(setup.repo.working_dir), arrival, find_queue(setup.task, run_dir)))
     return setup, proposer, sandbox, state
 
 
@@ -327,7 +330,8 @@ def describe(event: Resumed) -> str:
     if event.moved is not None:
         m = event.moved
         what.append(f"moved from {m.from_host or '?'}:{m.from_run_dir or '?'} to {m.to_host}:{m.to_run_dir}, "
-                    f"branch in {m.to_checkout}" + (" (packed while it ran there)" if m.packed_live else ""))
+                    f"branch in {m.to_checkout}" + (" (packed while it ran there)" if m.packed_live else "")
+                    + (f", queued patches from {m.queue}" if m.queue else ""))
     if event.dropped_bytes:
         what.append(f"a torn last line of {event.dropped_bytes} bytes cut off")
     if event.pending_keep:
