@@ -34,7 +34,7 @@ from agent.run.relaxed import of_run
 from agent.proposers import Proposer, make_proposer
 from agent.proposers.base import Attempt
 from agent.run.setup import RunSetup, _version, lock_run
-from agent.world.task import map_project_paths, parse_task
+from agent.world.task import builtin_tasks, map_project_paths, parse_task
 from agent.run.reaping import reap_workers
 from agent.run.workspace import Workspace
 from sandbox import make_sandbox
@@ -225,19 +225,22 @@ def open_run(run_dir: Path, records: list[Record], vllm_version: str | None, loc
 
 
 PROJECT = Path(__file__).resolve().parents[2]
+"""The folder holding the `agent` package: the project in a source checkout (site-packages when installed)."""
 
 
 def here(recorded: Path, project: Path = PROJECT) -> Path:
     """A path the run recorded, on this host: itself where it exists, else the same path within this
     project (the task's model config and patch folder live in the project, which another host may hold
-    elsewhere: /old/place/tasks/models/x/config.json is looked for at PROJECT/tasks/models/x/config.json).
+    elsewhere: /old/place/tasks/models/x/config.json is looked for at PROJECT/tasks/models/x/config.json),
+    else within the built-in tasks (an installed package's copy: models/x/config.json there).
     What it names is checked after (the model by its weights' sha256)."""
     if recorded.exists():
         return recorded
-    for i in range(1, len(recorded.parts)):
-        candidate = project.joinpath(*recorded.parts[i:])
-        if candidate.exists():
-            return candidate
+    for root in (project, builtin_tasks()):
+        for i in range(1, len(recorded.parts)):
+            candidate = root.joinpath(*recorded.parts[i:])
+            if candidate.exists():
+                return candidate
     return recorded
 
 
@@ -299,7 +302,7 @@ def resume_run(run: str, runs_dir: Path, vllm_version: str | None = None, sandbo
     proposer = make_proposer(setup.task)
     proposer.restore(records)
     if setup.task.sandbox.workers > 1:
-        from agent.run.cluster import preflight
+        from agent.run.parallel import preflight
 
         preflight(setup.task)
     sandbox = sandbox(run_dir) if callable(sandbox) else sandbox or make_sandbox(setup.task.sandbox, run_dir)

@@ -422,8 +422,36 @@ def parse_task(data: Any, source: str = "<task>", base: Path | None = None) -> T
     return _resolve_paths(task, base or Path.cwd())
 
 
-def load_task(path: Path) -> Task:
-    path = Path(path)
+DEFAULT_TASK = "gemma4-tiny-cpu"
+"""The built-in task `nightshift run` and `nightshift noise` take when given none."""
+
+
+def builtin_tasks() -> Path:
+    """The folder of the built-in tasks and their model configs (`models/`): the installed package's copy
+    (setup.py ships the project's `tasks/` folder as `agent/world/builtin_tasks`), else, in a source checkout,
+    the project's `tasks/` itself."""
+    here = Path(__file__).resolve().parent
+    installed = here / "builtin_tasks"
+    return installed if installed.is_dir() else here.parents[1] / "tasks"
+
+
+def find_task(task: str | Path) -> Path:
+    """The file a task argument names. A bare name (no folder, no .yaml) is a built-in task: `gemma4-tiny-cpu`
+    is builtin_tasks()/gemma4-tiny-cpu.yaml wherever nightshift is installed (a bare name that is no built-in task
+    but a file here is that file). Anything else is a path, as given."""
+    text = str(task)
+    if text and Path(text).name == text and Path(text).suffix not in (".yaml", ".yml"):
+        builtin = builtin_tasks() / f"{text}.yaml"
+        if builtin.is_file() or Path(text).is_file():
+            return builtin if builtin.is_file() else Path(text)
+        names = ", ".join(sorted(p.stem for p in builtin_tasks().glob("*.yaml")))
+        raise TaskError(f"no built-in task named {text!r} (built-in: {names}); a task file is named by its path")
+    return Path(task)
+
+
+def load_task(path: str | Path) -> Task:
+    """A task from its file, or a built-in task by name (find_task)."""
+    path = find_task(path)
     if not path.is_file():
         raise TaskError(f"task file not found: {path}")
     try:
