@@ -116,7 +116,7 @@ def run(
         start_detached([*argv, "--run-id", run_id, "--quiet"], runs_dir / f"{run_id}.log", run_id)
         return
     if task.sandbox.workers > 1:
-        from agent.run.parallel import preflight
+        from agent.run.cluster import preflight
 
         preflight(task)
     check_run(task)
@@ -170,8 +170,13 @@ def run_loop(setup, proposer, quiet: bool, sandbox=None, resume=None, worker_san
     signal.signal(signal.SIGTERM, _terminate)
     try:
         with view:
-            runner = Loop(setup, proposer, on_event=view.update, sandbox=sandbox, resume=resume,
-                          sandbox_factory=worker_sandbox, on_workers=view.show_workers)
+            if setup.task.sandbox.workers > 1:
+                from agent.run.parallel import Parallel
+
+                runner = Parallel(setup, proposer, on_event=view.update, sandbox_factory=worker_sandbox,
+                                  on_workers=view.show_workers, resume=resume)
+            else:
+                runner = Loop(setup, proposer, on_event=view.update, sandbox=sandbox, resume=resume)
             finished = runner.run()
     except NightshiftError as exc:
         write_summary(setup.run_dir)
