@@ -245,10 +245,6 @@ class Comparison:
     note: str
     passes: list[Pass]
 
-    @property
-    def sequential(self):
-        return self.estimate.sequential
-
     def outputs(self, role: str) -> list[Output]:
         return [o for p in self.passes if p.sample.role == role for o in p.requests()]
 

@@ -95,7 +95,6 @@ def estimate_speedup(candidate: list[float], incumbent: list[float], min_speedup
 # Paired repetitions in ABBA order, with the order of each pair as a term of the model, and a group-sequential
 # stopping rule on the per-pair log ratios.
 
-SPENDING = "lan-demets-obrien-fleming"
 LOG_BOUND = 50.0
 """Interval ends are clipped at exp(+-LOG_BOUND): early looks' boundaries are practically unbounded."""
 
