@@ -1,6 +1,6 @@
 """The trace event schema: every object that flows through the loop, in order.
 
-task -> Proposal -> PatchApplied -> Build -> ParityReport -> BenchReport -> Decision -> Commit
+task -> Proposal -> PatchApplied -> Build -> ParityReport -> BenchReport -> TokenAudit -> Decision -> Commit
 
 Each is one pydantic model and one line of `trace.jsonl`. A rejection at any stage is a
 `Decision` whose `stage` names where it happened.

@@ -1,4 +1,5 @@
-"""The `nightshift` command: run, review, replay, checkout."""
+"""The `nightshift` command: run (and --resume), review, report, verify, replay, checkout, noise, validate, status,
+pack."""
 from __future__ import annotations
 
 import json
@@ -19,8 +20,8 @@ from traces.errors import NightshiftError
 
 
 class Commands(TyperGroup):
-    """A NightshiftError (bad input, broken environment) is one red line and exit code 2; anything else is
-    a bug and keeps its traceback."""
+    """A NightshiftError (bad input, broken environment) is one red line and exit code 2, or exit code 1 once a
+    run has started (run_loop: the run stopped, resumable); anything else is a bug and keeps its traceback."""
 
     def invoke(self, ctx):
         try:
