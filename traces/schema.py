@@ -1,13 +1,13 @@
 """The trace event schema: every object that flows through the loop, in order.
 
-task -> Proposal -> PatchApplied -> Build -> ParityReport -> BenchReport -> Decision -> Commit
+task -> Proposal -> PatchApplied -> Build -> ParityReport -> BenchReport -> TokenAudit -> Decision -> Commit
 
 Each is one pydantic model and one line of `trace.jsonl`. A rejection at any stage is a
 `Decision` whose `stage` names where it happened.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,6 +25,42 @@ class Event(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class CheckpointWritten(BaseModel):
+    """How a seeded synthetic checkpoint was written (agent/world/checkpoint.py): the same seed gives other weights
+    on another device, dtype or library version, so two hosts whose sha256 differ name the cause here."""
+
+    sha256: str = ""
+    seed: int | None = None
+    recipe: str = ""
+    device: str = ""
+    """`cuda` or `cpu`: where the seeded initialisation ran."""
+    device_name: str = ""
+    """The GPU's name (torch.cuda.get_device_name), or the CPU's machine type."""
+    dtype: str = ""
+    torch: str = ""
+    cuda: str = ""
+    """The CUDA torch was built with ("" on a CPU build)."""
+    transformers: str = ""
+    safetensors: str = ""
+    numpy: str = ""
+
+    CAUSES: ClassVar[tuple[str, ...]] = ("device", "device_name", "dtype", "torch", "cuda", "transformers",
+                                         "safetensors", "numpy", "seed", "recipe")
+
+    def describe(self) -> str:
+        where = self.device + (f" ({self.device_name})" if self.device_name else "")
+        return (f"sha256 {self.sha256[:16]}, seed {self.seed}, written on {where or '?'} in {self.dtype or '?'} "
+                f"with torch {self.torch or '?'}" + (f" (CUDA {self.cuda})" if self.cuda else "")
+                + f", transformers {self.transformers or '?'}, safetensors {self.safetensors or '?'}, "
+                  f"numpy {self.numpy or '?'}")
+
+    def differences(self, other: "CheckpointWritten") -> list[str]:
+        """`name: ours -> theirs` for each way of writing that differs (unknown on either side: not compared)."""
+        return [f"{name} {getattr(self, name)} -> {getattr(other, name)}" for name in self.CAUSES
+                if getattr(self, name) not in ("", None) and getattr(other, name) not in ("", None)
+                and getattr(self, name) != getattr(other, name)]
+
+
 class RunStarted(Event):
     kind: Literal["run_started"] = "run_started"
     format_version: int = FORMAT_VERSION
@@ -39,6 +75,8 @@ class RunStarted(Event):
     branch: str
     model_sha256: str
     model_margins: dict[str, float] | None = None
+    model_written: CheckpointWritten | None = None
+    """How the seeded synthetic checkpoint was written (None: real weights, or a run from before it was recorded)."""
     task: dict[str, Any]
     host: str = ""
     run_dir: str = ""
@@ -159,6 +197,13 @@ class Sample(BaseModel):
     the harness cannot see its processes."""
     settle_s: float | None = None
     """Seconds the harness waited before the pass for both servers to go quiet (benchmark.settle_s)."""
+    engine_steps: int | None = None
+    """Engine steps the measured server ran during the pass: the growth of its Prometheus histogram
+    `vllm:iteration_tokens_total`'s _count, read before and after the pass; None where the server has no such
+    metric (older vLLM, stand-ins). The server reports it: a diagnostic, never read by the decision."""
+    step_tokens: int | None = None
+    """Tokens (prompt and output) those steps processed: the same histogram's _sum; step_tokens / engine_steps
+    is the pass's batch occupancy (agent/stages/stats.py tokens_per_step, off_schedule)."""
 
 
 class Liveness(BaseModel):
@@ -192,6 +237,9 @@ class Look(BaseModel):
 
 class Sequential(BaseModel):
     spending: str = "lan-demets-obrien-fleming"
+    estimator: str = "mean-t"
+    """Which location and interval each look used (agent/stages/stats.py ESTIMATORS); traces written before
+    it was recorded were decided by the mean with the order term and a t interval, "mean-t"."""
     alpha: float
     """One-sided: (1 - confidence) / 2, the chance of accepting at a true speedup of min_speedup."""
     planned: list[int]
@@ -261,8 +309,10 @@ class AuditVerdict(BaseModel):
     position, then the candidate's rate of non-top-1 tokens against the honest rate measured beside it."""
 
     passed: bool
-    test: Literal["pass", "hard_bound", "rate", "concentration"]
-    """The first part of the rule that rejected, or `pass`."""
+    test: Literal["pass", "hard_bound", "rate", "concentration", "invalid"]
+    """The first part of the rule that rejected, or `pass`; `invalid`: outputs the reference cannot score (ids outside
+    the vocabulary, a wrong count of tokens, a malformed answer, or tokens the reference refused while it answered
+    the harness's own prompt), listed in the audit's `invalid`."""
     reason: str
     hard_bound_nats: float
     rate_ratio: float
@@ -280,6 +330,22 @@ class AuditVerdict(BaseModel):
     concentration_p_value: float
     """Bonferroni over requests: the most non-top-1 positions in one request against Binomial(its tokens,
     rate_ratio x the reference rate, floored at one position per request)."""
+
+
+class InvalidOutput(BaseModel):
+    """One output the reference cannot score, found before it was sent (`vocabulary`, `count`, `malformed`) or
+    refused by a reference that answered the harness's own prompt right after (`refused`)."""
+
+    side: Literal["candidate", "control"] = "candidate"
+    repetition: int
+    request: int
+    kind: Literal["vocabulary", "count", "malformed", "refused"]
+    detail: str
+    position: int | None = None
+    token: int | None = None
+    """The offending id (`vocabulary`)."""
+    limit: int | None = None
+    """The bound it broke: the model's vocab_size (`vocabulary`) or the tokens asked for (`count`)."""
 
 
 class TokenAudit(Event):
@@ -309,6 +375,19 @@ class TokenAudit(Event):
     verdict: AuditVerdict | None = None
     """The rule's decision; absent on the A/A and in traces written before the rate rule, whose verdict is
     `violation_count == 0` against `tolerance_nats`."""
+    invalid: list[InvalidOutput] = Field(default_factory=list)
+    """Outputs the reference cannot score (the first 20 per side): a candidate's reject it with test `invalid`, the
+    control's flag the incumbent."""
+    invalid_count: int = 0
+    control_verdict: AuditVerdict | None = None
+    """The incumbent's outputs of this benchmark (the control) judged by the same rule against the run's A/A alone.
+    Failed, the control is not a reference for the candidate, and the incumbent is audited again on fresh prompts
+    (agent/run/recheck.py). Absent in traces written before the incumbent was checked."""
+    incumbent: bool = False
+    """The incumbent's own audit on fresh prompts, its verdict against the A/A: after a flagged control
+    (`candidate` is the candidate whose benchmark flagged it), or the branch head at the end of a run (`candidate`
+    0). `commit` names the commit it served."""
+    commit: str = ""
 
 
 class Decision(Event):
@@ -344,6 +423,9 @@ class LlmCall(Event):
     error: str | None = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
     """The tool calls of the answer, each {id, name, arguments} (`arguments` as the model sent it, a string)."""
+    message: dict[str, Any] | None = None
+    """The assistant message as the endpoint streamed it, provider fields included (e.g. a tool call's
+    `extra_content`), which the next turn sends back verbatim; None in traces written before it was kept."""
 
 
 class ToolCall(Event):
@@ -430,6 +512,9 @@ class Moved(BaseModel):
     pack_sha256: str = ""
     packed_live: bool = False
     """The pack was taken while its harness still ran: that harness went on without this continuation."""
+    queue: str = ""
+    """A queue run's patch folder here: the recorded one, the same place in this project, or the pack's copy in the
+    run folder (`queued-patches`) where neither exists."""
 
 
 class Resumed(Event):
@@ -492,6 +577,38 @@ class IncumbentRestarted(Event):
     """The failed server's processes just before it was stopped (sandbox/host.py snapshot)."""
 
 
+class IncumbentReverted(Event):
+    """A kept change found wrong later: the incumbent (the branch head's server) failed its audit in a benchmark and
+    again on fresh prompts, or at the end-of-run check. The branch goes back to the commit before that keep by a new
+    commit restoring its tree (`reverted`), and the incumbent is served from it."""
+    kind: Literal["incumbent_reverted"] = "incumbent_reverted"
+    candidate: int
+    """The candidate whose benchmark found it (0: the end-of-run check)."""
+    confirmation: int = 0
+    failed_commit: str
+    """The branch head whose server failed."""
+    kept_by: int
+    """The candidate whose keep made `failed_commit`."""
+    restored: str
+    """The commit whose tree the branch goes back to (the one before the keep)."""
+    audit_seed: int
+    """The sample_seed of the incumbent's failing audit on fresh prompts (a TokenAudit with `incumbent`)."""
+    speedup: float
+    """The reverted keep's speedup, taken out of the run's cumulative speedup."""
+    reason: str
+
+
+class Reverted(Event):
+    """The commit that restored the branch after an `incumbent_reverted` record (its trailer names that record)."""
+    kind: Literal["reverted"] = "reverted"
+    candidate: int
+    """The candidate whose keep was reverted."""
+    branch: str
+    commit: str
+    reverts: str
+    event_sha256: str
+
+
 class RunFinished(Event):
     kind: Literal["run_finished"] = "run_finished"
     reason: str
@@ -512,7 +629,7 @@ AnyEvent = Annotated[
         RunStarted, SelfParity, Proposal, PatchApplied, Build, ParityReport, SampleTaken, BenchReport, TokenAudit,
         Decision,
         Commit, LlmCall, ToolCall, NotebookEntry, ProposalInvalid, NoiseFloor, Resumed, Remeasured, IncumbentRestarted,
-        RunFinished,
+        IncumbentReverted, Reverted, RunFinished,
     ],
     Field(discriminator="kind"),
 ]

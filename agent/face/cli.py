@@ -1,4 +1,5 @@
-"""The `nightshift` command: run, review, replay, checkout."""
+"""The `nightshift` command: run (and --resume), review, report, verify, replay, checkout, noise, validate, status,
+pack."""
 from __future__ import annotations
 
 import json
@@ -14,13 +15,13 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
-from agent.world.task import load_task, with_overrides, with_settings
+from agent.world.task import DEFAULT_TASK, find_task, load_task, with_overrides, with_settings
 from traces.errors import NightshiftError
 
 
 class Commands(TyperGroup):
-    """A NightshiftError (bad input, broken environment) is one red line and exit code 2; anything else is
-    a bug and keeps its traceback."""
+    """A NightshiftError (bad input, broken environment) is one red line and exit code 2, or exit code 1 once a
+    run has started (run_loop: the run stopped, resumable); anything else is a bug and keeps its traceback."""
 
     def invoke(self, ctx):
         try:
@@ -33,7 +34,8 @@ app = typer.Typer(cls=Commands, add_completion=False, no_args_is_help=True,
                   help="Optimize vLLM serving unattended; keep only changes with identical greedy tokens.")
 console = Console()
 errors = Console(stderr=True, soft_wrap=True, highlight=False)
-DEFAULT_TASK = Path(__file__).resolve().parents[2] / "tasks" / "gemma4-tiny-cpu.yaml"
+TASK_HELP = (f"a built-in task by name, or a task YAML by path (default: {DEFAULT_TASK}, the built-in CPU task; "
+             "README: Tasks)")
 
 
 def _terminate(signum, frame):
@@ -47,7 +49,7 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 @app.command()
 def run(
-    task_file: Path = typer.Argument(DEFAULT_TASK, help="task YAML (default: the built-in CPU task)"),
+    task_file: str = typer.Argument(DEFAULT_TASK, help=TASK_HELP),
     runs_dir: Path = typer.Option(Path("runs"), help="where run folders are written"),
     proposer: Optional[str] = typer.Option(None, help="override the task's proposer: flags or queue"),
     patches: Optional[Path] = typer.Option(None, help="patch folder for --proposer queue"),
@@ -101,7 +103,7 @@ def run(
         task = with_overrides(task, target={"checkout": str(checkout.resolve())})
     chosen = make_proposer(task)
     if detach:
-        argv = ["run", str(task_file.resolve()), "--runs-dir", str(runs_dir.resolve())]
+        argv = ["run", str(find_task(task_file).resolve()), "--runs-dir", str(runs_dir.resolve())]
         for flag, value in (("--proposer", proposer), ("--patches", patches and patches.resolve()),
                             ("--max-candidates", max_candidates), ("--checkout", checkout and checkout.resolve()),
                             ("--workers", workers)):
@@ -122,6 +124,7 @@ def run(
     setup = prepare_run(task, runs_dir, run_id=run_id, task_file=task_as_written)
     console.print(f"run [bold]{setup.run_id}[/bold] -> {setup.run_dir}  branch {setup.workspace.branch}",
                   soft_wrap=True)
+    console.print(escape(setup.model.describe()), soft_wrap=True, highlight=False)
     if setup.relaxed:
         console.print(f"[yellow]relaxed:[/yellow] {escape('; '.join(map(describe_relaxed, setup.relaxed)))}",
                       soft_wrap=True, highlight=False)
@@ -153,6 +156,7 @@ def resume_loop(run: str, runs_dir: Path, quiet: bool, vllm_version: str | None 
                                                  checkout=checkout)
     console.print(f"run [bold]{setup.run_id}[/bold] {escape(describe(state.event))} "
                   f"(checked in {time.monotonic() - started:.1f} s)", soft_wrap=True)
+    console.print(escape(setup.model.describe()), soft_wrap=True, highlight=False)
     run_loop(setup, proposer, quiet, sandbox=sandbox, resume=state, worker_sandbox=worker_sandbox)
 
 
@@ -225,8 +229,8 @@ def verify(run: Optional[str] = typer.Argument(None, help="run folder or run id 
            base: Optional[str] = typer.Option(None, help="baseline ref (default: the run's base commit)"),
            head: Optional[str] = typer.Option(None, help="ref to verify (default: the run's branch)"),
            checkout: Optional[Path] = typer.Option(None, help="a vLLM checkout, to verify --head without a run"),
-           task_file: Optional[Path] = typer.Option(None, "--task", help="task YAML for --checkout "
-                                                    "(default: the built-in CPU task)"),
+           task_file: Optional[str] = typer.Option(None, "--task", help="task for --checkout: a built-in "
+                                                   f"task's name or a YAML's path (default: {DEFAULT_TASK})"),
            input_lens: Optional[str] = typer.Option(None, help="e.g. 512,2048,8192 (default: the task's verify)"),
            output_lens: Optional[str] = typer.Option(None, help="e.g. 128,256"),
            concurrency: Optional[str] = typer.Option(None, help="e.g. 1,16,64,256"),
@@ -298,7 +302,7 @@ def checkout(dest: Optional[Path] = typer.Option(None, help="where to create it 
 
 
 @app.command()
-def noise(task_file: Path = typer.Argument(DEFAULT_TASK, help="task YAML"),
+def noise(task_file: str = typer.Argument(DEFAULT_TASK, help=TASK_HELP),
           aa: int = typer.Option(10, "--aa", help="A/A benchmarks: the baseline against a second copy of itself"),
           patch: list[Path] = typer.Option([], "--patch", help="a patch with a known effect (repeatable)"),
           repeat: int = typer.Option(10, help="benchmarks of each patch"),
@@ -331,8 +335,8 @@ def noise(task_file: Path = typer.Argument(DEFAULT_TASK, help="task YAML"),
 
 
 @app.command()
-def validate(task_file: Path):
-    """Check a task file and print it resolved."""
+def validate(task_file: str = typer.Argument(..., help="a built-in task by name, or a task YAML by path")):
+    """Check a task and print it resolved (its model config's path included)."""
     console.print_json(load_task(task_file).model_dump_json())
 
 

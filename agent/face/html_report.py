@@ -12,6 +12,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from agent.proposers.funnel import got_through
+from agent.stages.stats import accepts, off_schedule, tokens_per_step
 from agent.world.task import Acceptance
 from agent.run.relaxed import describe as describe_relaxed, of_run
 from traces import read_trace
@@ -174,6 +175,32 @@ def _value(sample, metric: str) -> float:
     return value if value is not None else sample.total_tokens_per_s
 
 
+def _schedule(sample) -> str:
+    if sample.engine_steps is None:
+        return "engine steps: not reported"
+    occupancy = tokens_per_step(sample)
+    return f"{sample.engine_steps} engine steps, " + (f"{occupancy:.1f} tokens per step" if occupancy else "no tokens")
+
+
+def schedule_note(b: BenchReport) -> str:
+    """Each side's engine steps and batch occupancy (tokens per step) over its passes, and the passes whose
+    schedule was off (agent/stages/stats.py off_schedule); empty where the servers reported no steps."""
+    parts = []
+    for role in ("incumbent", "candidate"):
+        steps = sorted(s.engine_steps for s in b.samples if s.role == role and s.engine_steps is not None)
+        occupancy = sorted(o for s in b.samples if s.role == role and (o := tokens_per_step(s)) is not None)
+        if steps:
+            parts.append(f"{role}: engine steps {steps[0]}-{steps[-1]} (median {steps[len(steps) // 2]}), "
+                         f"{occupancy[0]:.1f}-{occupancy[-1]:.1f} tokens per step" if occupancy else
+                         f"{role}: engine steps {steps[0]}-{steps[-1]}")
+    if not parts:
+        return ""
+    flagged = off_schedule(b.samples)
+    off = "; ".join(f"{role} pass {rep}: {why}" for (role, rep), why in sorted(flagged.items()))
+    return (f"<p class=note>{_e('; '.join(parts))}</p>"
+            + (f"<p class=bad>{_e(off)}</p>" if off else ""))
+
+
 def passes(records: list[Record], figs: Figures) -> str:
     reports: list[BenchReport] = _events(records, "benchmark")
     if not reports:
@@ -181,15 +208,23 @@ def passes(records: list[Record], figs: Figures) -> str:
     divs = []
     for b in reports:
         fig = go.Figure()
+        flagged = off_schedule(b.samples)
         for role, color in (("incumbent", "#7f7f7f"), ("candidate", "#1f77b4")):
             chosen = [s for s in b.samples if s.role == role]
             fig.add_trace(go.Scatter(x=[s.repetition for s in chosen], y=[_value(s, b.metric) for s in chosen],
-                                     mode="lines+markers", name=role, line=dict(color=color)))
+                                     mode="lines+markers", name=role, line=dict(color=color),
+                                     text=[_schedule(s) for s in chosen],
+                                     marker=dict(symbol=["x" if (role, s.repetition) in flagged else "circle"
+                                                         for s in chosen], size=9),
+                                     hovertemplate="pass %{x}: %{y:.1f}<br>%{text}"))
         fig.update_layout(title=f"#{b.candidate}" + (f" confirmation {b.confirmation}" if b.confirmation else "")
                           + f": {b.speedup:.3f}x", xaxis_title="repetition", yaxis_title=b.metric,
                           legend=dict(orientation="h", y=-0.3))
-        divs.append(f"<div>{figs.div(fig, 300)}</div>")
-    return "<h2>Per-pass samples, incumbent against candidate</h2><div class=passes>" + "".join(divs) + "</div>"
+        divs.append(f"<div>{figs.div(fig, 300)}{schedule_note(b)}</div>")
+    return ("<h2>Per-pass samples, incumbent against candidate</h2><p class=note>hover a pass for its engine steps "
+            "and batch occupancy (tokens per step, from the server's vllm:iteration_tokens_total); a cross marks a "
+            "pass whose engine ran far more steps for the same tokens than its side's median</p>"
+            "<div class=passes>" + "".join(divs) + "</div>")
 
 
 def numerics(records: list[Record], figs: Figures) -> str:
@@ -251,7 +286,7 @@ def cell_verdict(cell: dict, min_speedup: float) -> int:
     s = cell["speedup"]["total_token_throughput"]
     if cell["status"] == "failed":
         return 4
-    return 0 if s["ci_high"] < 1.0 else 3 if s["ci_low"] > min_speedup else 2 if s["ci_low"] > 1.0 else 1
+    return 0 if s["ci_high"] < 1.0 else 3 if accepts(s["ci_low"], min_speedup) else 2 if s["ci_low"] > 1.0 else 1
 
 
 def grid_figure(verify: dict) -> go.Figure:

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from rich.table import Table
 
 from agent.replay.chain import BUNDLE, checkout_of
-from agent.run.move import traced_place
+from agent.run.move import queued_patches, traced_place
 from agent.world.paths import cache_root
 from agent.run.setup import HARNESS_FILE
 from sandbox.host import owner_alive, running
@@ -79,6 +79,7 @@ def run_status(run_dir: Path, now: float | None = None) -> RunStatus:
     last = records[-1].event
     decisions = [r.event for r in records if isinstance(r.event, Decision)]
     committed = {r.event.candidate for r in records if isinstance(r.event, Commit)}
+    committed -= {r.event.candidate for r in records if r.event.kind == "reverted"}  # kept, then taken back
     best = 1.0
     for decision in decisions:
         if decision.candidate in committed and decision.speedup:
@@ -148,7 +149,7 @@ def _duration(seconds: float) -> str:
 
 def pack_run(run_dir: Path, dest: Path, settle_s: float = 10.0) -> dict:
     """Write DEST (tar.gz): the trace's complete lines, the run's JSON files, the heads and tails of its
-    logs, the run branch as a git bundle, and manifest.json. Returns the manifest."""
+    logs, a queue run's patch files, the run branch as a git bundle, and manifest.json. Returns the manifest."""
     run_dir, dest = Path(run_dir), Path(dest)
     files: dict[str, bytes] = {}
     trace, records, head = _consistent_snapshot(run_dir, settle_s)
@@ -156,6 +157,8 @@ def pack_run(run_dir: Path, dest: Path, settle_s: float = 10.0) -> dict:
     for name in PACKED[1:]:
         if (run_dir / name).is_file():
             files[name] = (run_dir / name).read_bytes()
+    queue, patches = queued_patches(records, run_dir)  # a host without the recorded patch folder reads these
+    files.update(patches)
     logs = {}
     detached = run_dir.parent / f"{run_dir.name}.log"
     for log in sorted([*run_dir.glob("*.log"), *run_dir.glob("servers/*/server.log")]) + [detached]:
@@ -171,6 +174,7 @@ def pack_run(run_dir: Path, dest: Path, settle_s: float = 10.0) -> dict:
                 "packed_at": time.time(), "log_lines": logs,
                 "host": socket.gethostname(), "run_dir": str(run_dir.resolve()), "checkout": checkout_of(records),
                 "cache": traced_place(records)["cache"] or str(cache_root()), "harness": harness, "harness_alive": bool(harness) and owner_alive(harness),
+                "queue": queue,
                 "files": {name: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
                           for name, data in sorted(files.items())}}
     files["manifest.json"] = json.dumps(manifest, indent=2).encode()

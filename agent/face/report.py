@@ -10,8 +10,8 @@ from agent.run.relaxed import of_run
 from agent.stages.token_audit import trailer
 from agent.face.view import noise_line
 from traces import read_trace
-from traces.schema import (BenchReport, Commit, Decision, ParityReport, PatchApplied, Proposal, NoiseFloor,
-                           NotebookEntry, Resumed, RunFinished, SelfParity, TokenAudit)
+from traces.schema import (BenchReport, Commit, Decision, IncumbentReverted, ParityReport, PatchApplied, Proposal,
+                           NoiseFloor, NotebookEntry, Resumed, Reverted, RunFinished, SelfParity, TokenAudit)
 
 
 def _by_candidate(records) -> dict[int, dict]:
@@ -27,9 +27,28 @@ def _by_candidate(records) -> dict[int, dict]:
 def _audits(records) -> dict[int, list[TokenAudit]]:
     out: dict[int, list[TokenAudit]] = {}
     for record in records:
-        if isinstance(record.event, TokenAudit):
+        if isinstance(record.event, TokenAudit) and not record.event.incumbent:
             out.setdefault(record.event.candidate, []).append(record.event)
     return out
+
+
+def _taken_back(records) -> list[dict]:
+    """Each kept change found wrong later and taken back: what found it and the commit that restored the branch."""
+    commits = {r.event.event_sha256: r.event.commit for r in records if isinstance(r.event, Reverted)}
+    return [{"at_record": r.seq + 1, **r.event.model_dump(), "revert_commit": commits.get(r.sha256, "")}
+            for r in records if isinstance(r.event, IncumbentReverted)]
+
+
+def _incumbent_checks(records) -> dict:
+    """The incumbent checked in every benchmark: how many controls were judged and failed, the audits on fresh
+    prompts, and the end-of-run audit of the branch head."""
+    judged = [r.event.control_verdict for r in records if isinstance(r.event, TokenAudit) and r.event.control_verdict]
+    fresh = [r.event for r in records if isinstance(r.event, TokenAudit) and r.event.incumbent]
+    final = [a for a in fresh if a.candidate == 0]
+    return {"controls_judged": len(judged), "controls_failed": sum(not v.passed for v in judged),
+            "fresh_audits": len(fresh), "fresh_failed": sum(not (a.verdict and a.verdict.passed) for a in fresh),
+            "final": ({"commit": final[-1].commit, "passed": bool(final[-1].verdict and final[-1].verdict.passed),
+                       "reason": final[-1].verdict.reason if final[-1].verdict else ""} if final else None)}
 
 
 def write_summary(run_dir: Path) -> str:
@@ -64,6 +83,8 @@ def write_summary(run_dir: Path) -> str:
     summary["noise_floor"] = noise[-1].model_dump() if noise else None
     summary["resumed"] = [{"at_record": r.seq + 1, **r.event.model_dump()} for r in records
                           if isinstance(r.event, Resumed)]
+    summary["incumbent_checks"] = _incumbent_checks(records)
+    summary["taken_back"] = _taken_back(records)
     summary["incumbent_restarts"] = [{"at_record": r.seq + 1, **r.event.model_dump()} for r in records
                                      if r.event.kind == "incumbent_restarted"]
     if any(r.event.kind == "llm_call" for r in records):
@@ -89,6 +110,7 @@ def review_tables(run_dir: Path) -> list[Table]:
     for column in ("commit", "candidate", "what changed", "speedup [interval]", "parity evidence", "token audit",
                    "samples"):
         kept.add_column(column, overflow="fold")  # a narrow terminal wraps a long word rather than cut it
+    taken = {entry["failed_commit"] for entry in _taken_back(records)}
     for record in records:
         if not isinstance(record.event, Commit):
             continue
@@ -100,7 +122,8 @@ def review_tables(run_dir: Path) -> list[Table]:
         changed = ", ".join(applied.files) or "serving flags only"
         live = f"; live: {len(bench.liveness.imported_patched)}/{len(bench.liveness.patched_files)} files imported" \
             if bench.liveness and bench.liveness.patched_files else ""
-        kept.add_row(record.event.commit[:12], str(record.event.candidate), f"{proposal.summary}\n{changed}",
+        kept.add_row(record.event.commit[:12] + ("\nTAKEN BACK" if record.event.commit in taken else ""),
+                     str(record.event.candidate), f"{proposal.summary}\n{changed}",
                      f"{bench.speedup:.3f}x [{bench.ci_low:.3f}, {bench.ci_high:.3f}] @{bench.confidence:.0%}\n"
                      f"p={bench.p_value:.4f}",
                      f"{parity.prompts} prompts x {parity.tokens_per_prompt} tokens identical ({parity.regime})\n"
@@ -116,6 +139,16 @@ def review_tables(run_dir: Path) -> list[Table]:
             rejected.add_row(str(n), events["proposal"].summary[:60], decision.verdict, decision.stage,
                              decision.reason[:160])
     tables = [kept, rejected]
+    reverts = _taken_back(records)
+    if reverts:
+        back = Table(title="kept, then taken back (the incumbent failed the token audit)")
+        for column in ("candidate", "commit", "found", "restored", "revert commit", "why"):
+            back.add_column(column, overflow="fold")
+        for entry in reverts:
+            back.add_row(str(entry["kept_by"]), entry["failed_commit"][:12],
+                         f"benchmark of candidate {entry['candidate']}" if entry["candidate"] else "end of run",
+                         entry["restored"][:12], entry["revert_commit"][:12] or "not made", entry["reason"][:240])
+        tables.insert(1, back)
     loosened = of_run(records[0].event)
     if loosened:
         relaxed = Table(title="relaxed checks (looser than their default or the task file)")

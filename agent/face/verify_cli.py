@@ -13,7 +13,7 @@ from agent.face.verify_view import VerifyProgress
 
 
 def run_verify(console: Console, run: str | None, runs_dir: Path, base: str | None, head: str | None,
-               checkout: Path | None, task_file: Path, input_lens: str | None, output_lens: str | None,
+               checkout: Path | None, task_file: str | Path, input_lens: str | None, output_lens: str | None,
                concurrency: str | None, repetitions: int | None, quiet: bool,
                settings: list[str] = ()) -> int:
     """0: no regression; 1: a cell regressed, failed parity or the audit, or failed to run."""

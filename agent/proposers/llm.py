@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
@@ -38,7 +39,7 @@ from typing import Any, Callable
 from agent.proposers.clients import (
     Completion, LlmError, LlmFatalError, LlmRequestError, Messages, Model, OpenAIModel, Price, Redactor,
     ReplayExhausted,
-    complete_with_retries, estimate_tokens, messages_tokens,
+    complete_with_retries, estimate_tokens, messages_tokens, tools_unsupported,
 )
 from agent.proposers import notebook, tools
 from agent.proposers.base import Attempt, ProposalContext, ProposerExhausted
@@ -59,6 +60,8 @@ repeat it to the end of its budget); the next one starts at RETRY_TEMPERATURE.""
 FOLLOW_UPS = 1
 """Follow-up turns after unusable answers in one conversation before a fresh one."""
 TEXT_FALLBACK = " (tools are offered as text from now on)"
+OUTAGE = "LLM call failed: transient: "
+"""A conversation that ended so was ended by the endpoint (an outage outlasting its retries), not by the model."""
 PROMPTS = Path(__file__).resolve().parent.parent / "prompts"
 REPAIRABLE = {"apply", "build", "start", "parity", "liveness"}
 HOT_PATH_HINTS = ["sample/sampler", "logits_processor", "worker/cpu_model_runner", "worker/gpu_model_runner",
@@ -90,8 +93,11 @@ class LlmProposer:
                  sleep: Callable[[float], None] | None = None):
         self.spec, self.task = spec, task
         self.model: Model = model if model is not None else OpenAIModel(
-            spec.base_url, spec.model, spec.api_key_env, timeout_s=spec.request_timeout_s,
-            tool_choice=spec.tool_choice)
+            endpoint(spec), served_model(spec), spec.api_key_env, timeout_s=spec.request_timeout_s,
+            tool_choice=spec.tool_choice, extra_body=spec.extra_body, token_field=spec.answer_field,
+            reasoning_effort=spec.reasoning_effort, answer_timeout_s=spec.answer_timeout_s)
+        self.deadline = time.monotonic() + task.budget.wall_clock_s
+        """When the run's wall clock is spent (time.monotonic): an outage is waited out until then, not after."""
         self.price = Price(spec.price.input_per_mtok, spec.price.output_per_mtok)
         key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
         self.redactor = Redactor([key])
@@ -130,50 +136,75 @@ class LlmProposer:
     def _check_budget(self, messages: Messages) -> None:
         budget = self.task.budget
         prompt = messages_tokens(messages)
-        if budget.max_llm_tokens is not None and self.tokens_used + prompt + self.spec.max_tokens > budget.max_llm_tokens:
+        answer = self.spec.answer_tokens
+        if time.monotonic() >= self.deadline:
+            raise ProposerExhausted(f"the run's wall clock (budget.wall_clock_s {budget.wall_clock_s:g}) is spent")
+        if budget.max_llm_tokens is not None and self.tokens_used + prompt + answer > budget.max_llm_tokens:
             raise ProposerExhausted(
                 f"LLM token cap reached: {self.tokens_used} used, the next call may need up to "
-                f"{prompt + self.spec.max_tokens} of max_llm_tokens {budget.max_llm_tokens}")
+                f"{prompt + answer} of max_llm_tokens {budget.max_llm_tokens}")
         if budget.max_usd is not None:
-            worst = self.price.cost({"prompt_tokens": prompt, "completion_tokens": self.spec.max_tokens})
+            worst = self.price.cost({"prompt_tokens": prompt, "completion_tokens": answer})
             if self.spend_usd + worst > budget.max_usd:
                 raise ProposerExhausted(
                     f"LLM dollar cap reached: ${self.spend_usd:.4f} spent, the next call may cost up to "
                     f"${worst:.4f} of max_usd ${budget.max_usd:.4f}")
 
     # ------------------------------------------------------------------------------- calling
-    def _call(self, ctx: ProposalContext, messages: Messages, temperature: float | None = None,
+    def _call(self, ctx: ProposalContext, messages: Messages, temperature: float | None,
               offer: list[dict[str, Any]] | None = None) -> Completion:
+        """One LLM call, retried through transient failures; every attempt is an `llm_call` event, and every
+        attempt's tokens (a failed one's too: a cut answer is billed) count toward the budget."""
         self._check_budget(messages)
-        temperature = self.spec.temperature if temperature is None else temperature
-        params = {"temperature": temperature, "max_tokens": self.spec.max_tokens, **self.model.params}
+        answer = self.spec.answer_tokens
+        params = {**({"temperature": temperature} if temperature is not None else {}),
+                  self.spec.answer_field: answer, **self.model.params}
         recorded = self.redactor.obj(messages)
 
         def failed(error: LlmError, latency: float) -> None:
+            usage = {k: int(v) for k, v in error.usage.items()}
+            cost = self._spend(usage)
             self._record(ctx, LlmCall(candidate=ctx.candidate, model=self.model.name, params=params,
-                                      messages=recorded, response=None, finish_reason=None,
-                                      latency_s=round(latency, 3), error=self.redactor.text(error.record())))
+                                      messages=recorded, response=None, finish_reason=None, usage=usage,
+                                      cost_usd=round(cost, 8), latency_s=round(latency, 3),
+                                      error=self.redactor.text(error.record())))
 
         kwargs: dict[str, Any] = {}
         if self._sleep is not None:
             kwargs["sleep"] = self._sleep
+        left = max(0.0, self.deadline - time.monotonic())
+        if self.spec.max_retries is not None:  # a bounded count, as before, and never past the run's end
+            left = min(left, self.spec.request_timeout_s * (self.spec.max_retries + 1))
         completion = complete_with_retries(
-            self.model, messages, temperature=temperature, max_tokens=self.spec.max_tokens,
+            self.model, messages, temperature=temperature, max_tokens=answer,
             max_retries=self.spec.max_retries, backoff_s=self.spec.retry_backoff_s,
-            deadline_s=self.spec.request_timeout_s * (self.spec.max_retries + 1), on_failure=failed, tools=offer,
-            **kwargs)
+            max_backoff_s=self.spec.retry_max_backoff_s, deadline_s=left, on_failure=failed, tools=offer, **kwargs)
         completion.text = self.redactor.text(completion.text) or ""  # before anything is derived from it
         usage = {k: int(v) for k, v in completion.usage.items()}
-        cost = self.price.cost(usage)
-        self.tokens_in += usage.get("prompt_tokens", 0)
-        self.tokens_out += usage.get("completion_tokens", 0)
-        self.spend_usd += cost
+        cost = self._spend(usage)
+        message = None
+        if completion.message is not None:
+            message = self.redactor.obj({**completion.message, "content": completion.text
+                                         or completion.message.get("content")})
+            completion.message = message
         self._record(ctx, LlmCall(candidate=ctx.candidate, model=completion.model or self.model.name,
                                   params=params, messages=recorded, response=completion.text,
                                   finish_reason=completion.finish_reason, usage=usage, cost_usd=round(cost, 8),
                                   latency_s=round(completion.latency_s, 3),
-                                  tool_calls=self.redactor.obj(completion.tool_calls)))
+                                  tool_calls=self.redactor.obj(completion.tool_calls), message=message))
         return completion
+
+    def _spend(self, usage: dict[str, int]) -> float:
+        cost = self.price.cost(usage)
+        self.tokens_in += usage.get("prompt_tokens", 0)
+        self.tokens_out += usage.get("completion_tokens", 0)
+        self.spend_usd += cost
+        return cost
+
+    def _warmer(self, temperature: float | None) -> float | None:
+        """The temperature of a fresh try after a failed one (at temperature 0 the same request gets the same
+        answer); an unset temperature stays unset (the endpoint's default samples already)."""
+        return None if temperature is None else max(temperature, RETRY_TEMPERATURE)
 
     def _record(self, ctx: ProposalContext, event: AnyEvent) -> None:
         self.stats.add(event)
@@ -201,7 +232,7 @@ class LlmProposer:
         last_reason = ""
         for answer_no in range(1, self.spec.attempts_per_proposal + 1):
             # after an unusable answer, the same request at temperature 0 would get the same answer
-            temperature = self.spec.temperature if answer_no == 1 else max(self.spec.temperature, RETRY_TEMPERATURE)
+            temperature = self.spec.temperature if answer_no == 1 else self._warmer(self.spec.temperature)
             try:
                 completion = self._call(ctx, convo.messages, temperature)
             except LlmFatalError as exc:
@@ -248,7 +279,8 @@ class LlmProposer:
 
     def _check(self, ctx: ProposalContext, text: str, finish_reason: str | None) -> tuple[str, str, Patch | None]:
         if finish_reason == "length":
-            return (f"truncated: the answer hit max_tokens ({self.spec.max_tokens}); give a shorter answer "
+            return (f"truncated: the answer hit {self.spec.answer_field} ({self.spec.answer_tokens}); give a "
+                    f"shorter answer "
                     f"with only the needed blocks", "length", None)
         if not text.strip():
             return "empty: the answer has no text", "empty", None
@@ -324,7 +356,7 @@ class LlmProposer:
                 self.repairs += of is not None
                 messages = list(call.messages) if call else []
                 if call is not None and self.spec.tools != "off":  # the conversation up to the accepted propose
-                    messages = [*messages, self._assistant(call.response or "", call.tool_calls),
+                    messages = [*messages, self._assistant(call.response or "", call.tool_calls, call.message),
                                 *(self._tool_result(r.call_id, r.name, r.result) for r in results)]
                 self._last = Conversation(messages=messages, candidate=event.candidate,
                                           answer=(call.response or "") if call else "",
@@ -352,10 +384,13 @@ class LlmProposer:
             self.fresh += 1
             convo = Conversation(messages=self._tool_messages(ctx))
         last_reason = ""
-        for conversation in range(self.spec.attempts_per_proposal):
+        failed = 0  # conversations in a row that ended without a proposal, the outages left out
+        conversation = -1
+        while failed < self.spec.attempts_per_proposal:
+            conversation += 1
+            failed += 1
             # at temperature 0 a fresh conversation would be the one that just failed again
-            temperature = self.spec.temperature if conversation == 0 else max(self.spec.temperature,
-                                                                              RETRY_TEMPERATURE)
+            temperature = self.spec.temperature if conversation == 0 else self._warmer(self.spec.temperature)
             outcome = self._converse(ctx, convo, temperature)
             if isinstance(outcome, tools.Result):
                 assert outcome.patch is not None
@@ -368,6 +403,8 @@ class LlmProposer:
             self.fresh += 1
             convo = Conversation(messages=self._tool_messages(ctx))
             repair_of = None
+            if outcome.startswith(OUTAGE):  # the endpoint, not the model: recorded, and not counted
+                failed -= 1
         raise ProposerExhausted(f"{self.spec.attempts_per_proposal} LLM conversations in a row ended without a "
                                 f"proposal; the last: {last_reason}")
 
@@ -386,17 +423,17 @@ class LlmProposer:
         while True:
             if used >= budget.calls:
                 return spent
-            room = self.spec.context_tokens - self.spec.max_tokens
+            answer = self.spec.answer_tokens
+            room = self.spec.context_tokens - answer
             if not tools.fit(convo.messages, room, messages_tokens):
                 return (f"context: the conversation needs about {messages_tokens(convo.messages)} tokens with its "
                         f"earlier tool results elided, over proposer.context_tokens {self.spec.context_tokens} "
-                        f"less max_tokens {self.spec.max_tokens}")
-            worst = messages_tokens(convo.messages) + self.spec.max_tokens
+                        f"less {self.spec.answer_field} {answer}")
+            worst = messages_tokens(convo.messages) + answer
             if budget.tokens is not None and tokens + worst > budget.tokens:
                 return (f"budget: {tokens} tokens used, the next turn may need {worst} of tool_budget.tokens "
                         f"{budget.tokens}, without an accepted proposal")
-            worst_usd = self.price.cost({"prompt_tokens": worst - self.spec.max_tokens,
-                                         "completion_tokens": self.spec.max_tokens})
+            worst_usd = self.price.cost({"prompt_tokens": worst - answer, "completion_tokens": answer})
             if budget.usd is not None and usd + worst_usd > budget.usd:
                 return f"budget: ${usd:.4f} spent, the next turn may pass tool_budget.usd ${budget.usd:.4f}"
             try:
@@ -406,7 +443,7 @@ class LlmProposer:
             except ReplayExhausted as exc:
                 raise ProposerExhausted(str(exc)) from exc
             except LlmRequestError as exc:
-                if native and "tool" in str(exc).lower():  # e.g. vllm serve without --enable-auto-tool-choice
+                if native and tools_unsupported(exc):  # e.g. vllm serve without --enable-auto-tool-choice
                     self.protocol = "text"
                     return f"LLM call failed: {exc.record()}{TEXT_FALLBACK}"
                 return f"LLM call failed: {exc.record()}"
@@ -417,7 +454,7 @@ class LlmProposer:
             text = completion.text or ""
             calls = list(completion.tool_calls) or tools.parse_text_calls(text)
             if not calls:
-                why = (f"your answer was cut off at max_tokens ({self.spec.max_tokens}): say less at a time"
+                why = (f"your answer was cut off at {self.spec.answer_field} ({answer}): say less at a time"
                        if completion.finish_reason == "length" else
                        "your answer called no tool" + ("" if native else " (answer with one CALL line, or edit "
                                                                           "blocks to propose)"))
@@ -427,7 +464,10 @@ class LlmProposer:
                 continue
             if not native:  # the protocol's answer is the text itself
                 calls = calls[:1]
-            convo.messages = [*convo.messages, self._assistant(text, calls if native else [])]
+            # the endpoint's own message, verbatim, when its tool calls are the ones answered (a provider field
+            # such as a thought signature must go back as it came)
+            convo.messages = [*convo.messages, self._assistant(
+                text, calls if native else [], completion.message if native and completion.tool_calls else None)]
             accepted: tools.Result | None = None
             for call in calls:
                 if accepted is not None:
@@ -464,9 +504,12 @@ class LlmProposer:
                 return (f"stuck: {repeats} repeated tool calls in a row (the same arguments as an earlier call); a "
                         "fresh conversation starts warmer")
 
-    def _assistant(self, text: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    def _assistant(self, text: str, calls: list[dict[str, Any]],
+                   message: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.protocol != "native" or not calls:
             return {"role": "assistant", "content": text or "(empty)"}
+        if message is not None and message.get("tool_calls"):
+            return json.loads(json.dumps(message))
         return {"role": "assistant", "content": text or None,
                 "tool_calls": [{"id": c.get("id", ""), "type": "function",
                                 "function": {"name": c.get("name", ""), "arguments": c.get("arguments", "")}}
@@ -734,4 +777,13 @@ def _architecture_hint(task: Task) -> str:
     return f"models/{arch.lower().replace('forcausallm', '')}.py" if arch else ""
 
 
-__all__ = ["Funnel", "LlmProposer", "llm_funnel"]
+def endpoint(spec: LlmSpec) -> str:
+    """The endpoint: the variable named by `base_url_env` when it is set, else `base_url`."""
+    return (os.environ.get(spec.base_url_env) if spec.base_url_env else None) or spec.base_url
+
+
+def served_model(spec: LlmSpec) -> str:
+    return (os.environ.get(spec.model_env) if spec.model_env else None) or spec.model
+
+
+__all__ = ["Funnel", "LlmProposer", "endpoint", "llm_funnel", "served_model"]

@@ -8,6 +8,7 @@ decision, so that the next proposal can choose explicitly: a hot spot not yet tr
 """
 from __future__ import annotations
 
+from agent.stages.stats import accepts
 from traces.schema import Decision, NotebookEntry, Proposal
 
 FAILED_TO_RUN = {"surface", "apply", "build", "start", "liveness"}
@@ -16,7 +17,7 @@ FAILED_TO_RUN = {"surface", "apply", "build", "start", "liveness"}
 def near_miss(entry: NotebookEntry, min_speedup: float) -> bool:
     """Got through parity and the audit, and was faster, but not significantly enough to keep."""
     return (entry.verdict != "keep" and entry.stage in ("benchmark", "decision") and entry.speedup is not None
-            and entry.speedup > 1.0 and (entry.ci_low is None or entry.ci_low < min_speedup))
+            and entry.speedup > 1.0 and (entry.ci_low is None or not accepts(entry.ci_low, min_speedup)))
 
 
 def learned(decision: Decision, min_speedup: float) -> str:

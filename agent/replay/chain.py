@@ -13,7 +13,8 @@ from agent.replay.evidence import check_decisions
 from agent.world.serve_args import SERVE_FILE
 from traces import TraceError, read_trace
 from traces.errors import NightshiftError
-from traces.schema import Commit, Decision, PatchApplied, Record, Resumed, RunFinished, RunStarted
+from traces.schema import (Commit, Decision, IncumbentReverted, PatchApplied, Record, Resumed, Reverted, RunFinished,
+                           RunStarted)
 
 TRAILER = "Nightshift-Trace-Event:"
 BUNDLE = "branch.bundle"
@@ -38,7 +39,10 @@ class AuditResult:
     decisions: int = 0
     """Decisions re-derived from their recorded evidence (samples, intervals, audits)."""
     pending_commit: str = ""
-    """With `pending`: the branch's last commit, made for the trace's last record (a keep) but not recorded."""
+    """With `pending`: the branch's last commit, made for the trace's last record (a keep, or a revert) but not
+    recorded."""
+    reverts: int = 0
+    """Commits that took a keep back after its server failed the token audit (agent/run/recheck.py)."""
 
 
 def resolve_run(run: str, runs_dir: Path) -> Path:
@@ -59,6 +63,7 @@ def audit(run_dir: Path, records: list[Record] | None = None, pending: bool = Fa
     by_sha = {r.sha256: r for r in records}
     commit_records = [r for r in records if isinstance(r.event, Commit)]
     _check_keeps_committed(records, commit_records)
+    branch_records = [r for r in records if isinstance(r.event, (Commit, Reverted))]
     decisions = check_decisions(records)
     try:
         repo = _open_repo(Path(run_dir), records)
@@ -66,13 +71,16 @@ def audit(run_dir: Path, records: list[Record] | None = None, pending: bool = Fa
     except (git.GitError, git.NoSuchPathError) as exc:
         where = Path(run_dir) / BUNDLE if (Path(run_dir) / BUNDLE).is_file() else checkout_of(records)
         raise BranchUnreadable(f"cannot read branch {started.branch} in {where}: {exc}") from None
-    for index, record in enumerate(commit_records):
-        event: Commit = record.event
+    for index, record in enumerate(branch_records):
+        event: Commit | Reverted = record.event
         line = record.seq + 1
         if index >= len(shas):
             raise TraceError(line, f"commit {event.commit[:12]} is not on branch {started.branch}")
         if shas[index] != event.commit:
             raise TraceError(line, f"branch has {shas[index][:12]} where the trace says {event.commit[:12]}")
+        if isinstance(event, Reverted):
+            _check_revert(repo, event, by_sha, line, shas[index - 1] if index else started.base_commit)
+            continue
         trailer = trace_event_of(repo.commit(event.commit).message)
         if trailer != event.decision_sha256:
             raise TraceError(line, f"commit {event.commit[:12]} has trace event {trailer[:12] or 'none'}, "
@@ -87,19 +95,38 @@ def audit(run_dir: Path, records: list[Record] | None = None, pending: bool = Fa
         if extra:
             raise TraceError(line, f"commit changes files the candidate's patch did not: {sorted(extra)}")
     pending_commit = ""
-    if pending and len(shas) == len(commit_records) + 1 and isinstance(_tail(records).event, Decision) \
+    if pending and len(shas) == len(branch_records) + 1 \
+            and isinstance(_tail(records).event, (Decision, IncumbentReverted)) \
             and trace_event_of(repo.commit(shas[-1]).message) == _tail(records).sha256:
         pending_commit = shas.pop()
-    if len(shas) > len(commit_records):
-        raise TraceError(len(records), f"branch has {len(shas) - len(commit_records)} commit(s) the trace "
-                                       f"does not account for, first {shas[len(commit_records)][:12]}")
+    if len(shas) > len(branch_records):
+        raise TraceError(len(records), f"branch has {len(shas) - len(branch_records)} commit(s) the trace "
+                                       f"does not account for, first {shas[len(branch_records)][:12]}")
     last = records[-1].event
     finished = isinstance(last, RunFinished) and not last.resumable
     notes = [] if finished else [f"the run was stopped ({last.reason}) and can go on: nightshift run --resume"
                                  if isinstance(last, RunFinished) else
                                  "the run did not finish (no run_finished record): it crashed or is still running"]
     return AuditResult(records=len(records), commits=len(commit_records), finished=finished, notes=notes,
-                       decisions=decisions, pending_commit=pending_commit)
+                       decisions=decisions, pending_commit=pending_commit,
+                       reverts=len(branch_records) - len(commit_records))
+
+
+def _check_revert(repo: git.Repo, event: Reverted, by_sha: dict, line: int, parent: str) -> None:
+    """A revert commit: its trailer names an `incumbent_reverted` record, it follows the commit that record takes
+    back, and its tree is the tree of the commit it restores."""
+    named = by_sha.get(event.event_sha256)
+    trailer = trace_event_of(repo.commit(event.commit).message)
+    if named is None or not isinstance(named.event, IncumbentReverted) or trailer != event.event_sha256:
+        raise TraceError(line, f"revert {event.commit[:12]} does not point at an incumbent_reverted record "
+                               f"(trailer {trailer[:12] or 'none'})")
+    reverted: IncumbentReverted = named.event
+    if not (event.reverts == reverted.failed_commit == parent and event.candidate == reverted.kept_by):
+        raise TraceError(line, f"revert {event.commit[:12]} follows {parent[:12]}, but takes back "
+                               f"{event.reverts[:12]} (the record says {reverted.failed_commit[:12]})")
+    commit = repo.commit(event.commit)
+    if [p.hexsha for p in commit.parents] != [parent] or commit.tree.hexsha != repo.commit(reverted.restored).tree.hexsha:
+        raise TraceError(line, f"revert {event.commit[:12]} does not restore the tree of {reverted.restored[:12]}")
 
 
 def _tail(records: list[Record]) -> Record:

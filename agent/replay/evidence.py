@@ -1,7 +1,8 @@
 """Replay's second half: every recorded keep/discard must follow from its recorded evidence.
 
 The speedup and interval are recomputed from the benchmark's samples with the task's acceptance
-rule; a token audit's verdict is recomputed from its recorded deficits by the audit rule (its counts must
+rule, by the estimator the benchmark recorded (a trace written before the estimator was a setting was decided
+by the mean with a t interval, and is re-derived by it); a token audit's verdict is recomputed from its recorded deficits by the audit rule (its counts must
 agree with those deficits, and the control and A/A it was compared with are the ones in the trace); where the task sets
 benchmark.max_idle_cpu, a benchmark counts only if the candidate's server did not work while the
 incumbent was measured. A decision that does not follow names its record."""
@@ -9,11 +10,13 @@ from __future__ import annotations
 
 import math
 
-from agent.stages.stats import accepts, estimate_speedup, idle_work, order_signs, plan_looks, sequential_estimate
+from agent.stages.stats import (MEAN_T, accepts, estimate_speedup, idle_work, order_signs, plan_looks,
+                                sequential_estimate)
 from agent.world.task import Acceptance, Audit, Benchmark
 from agent.stages.token_audit import EPSILON_NATS, audit_passed, calibration_refusal, judge
 from traces import TraceError
-from traces.schema import BenchReport, Decision, Record, Remeasured, Resumed, RunStarted, TokenAudit
+from traces.schema import (BenchReport, Commit, Decision, IncumbentReverted, Record, Remeasured, Resumed, Reverted,
+                           RunFinished, RunStarted, TokenAudit)
 
 TOLERANCE = 1e-9
 
@@ -28,17 +31,30 @@ def check_decisions(records: list[Record]) -> int:
     acceptance = Acceptance.model_validate(started.task.get("acceptance", {}))
     b = Benchmark.model_validate(started.task.get("benchmark", {}))
     planned = plan_looks(b.repetitions, b.max_repetitions, b.look_every)
+    estimator = task_estimator(started.task)
     audited = bool(started.task.get("audit", {}).get("enabled", False))
     rule = Audit.model_validate(started.task.get("audit", {}))
     calibrations: dict[int, TokenAudit] = {}
     reports: dict[tuple[int, int], BenchReport] = {}
     audits: dict[tuple[int, int], TokenAudit] = {}
+    incumbent_audits: dict[int, TokenAudit] = {}
+    keeps: list[tuple[str, int, float]] = []  # (commit, candidate, speedup) of the keeps in effect
+    speedups: dict[str, float] = {}
+    checked_head: str | None = None  # the commit the last passing end-of-run audit names
     checked = 0
     for record in records:
         event, line = record.event, record.seq + 1
+        if isinstance(event, Decision) and event.verdict == "keep":
+            speedups[record.sha256] = event.speedup or 1.0
+        elif isinstance(event, Commit):
+            keeps.append((event.commit, event.candidate, speedups.get(event.decision_sha256, 1.0)))
+        elif isinstance(event, IncumbentReverted):
+            _check_reverted(event, line, keeps, incumbent_audits, started.base_commit)
+        elif isinstance(event, Reverted) and keeps:
+            keeps.pop()
         if isinstance(event, BenchReport):
             reports[event.candidate, event.confirmation] = event
-            _check_report(event, acceptance, line, planned)
+            _check_report(event, acceptance, line, planned, estimator)
             busy = idle_work(event.samples, b.max_idle_cpu)
             if busy:
                 raise TraceError(line, f"benchmark of candidate {event.candidate} counted, though {busy}")
@@ -46,6 +62,10 @@ def check_decisions(records: list[Record]) -> int:
             _check_audit(event, line, rule, acceptance, calibrations)
             if event.calibration:
                 calibrations[event.sample_seed] = event
+            elif event.incumbent:
+                incumbent_audits[event.sample_seed] = event
+                if event.candidate == 0 and audit_passed(event):
+                    checked_head = event.commit
             else:
                 audits[event.candidate, event.confirmation] = event
         elif isinstance(event, (Resumed, Remeasured)):  # evaluated again: the candidates' old evidence is void
@@ -55,7 +75,33 @@ def check_decisions(records: list[Record]) -> int:
         elif isinstance(event, Decision) and event.stage in ("audit", "decision") and event.verdict != "timeout":
             _check_decision(event, line, reports, audits, acceptance, audited)
             checked += 1
+    last = records[-1].event
+    # the single-GPU loop's runs since the incumbent is checked (a parallel run's coordinator does not audit its head)
+    checks_incumbent = started.task.get("sandbox", {}).get("workers", 1) <= 1 and any(
+        isinstance(r.event, TokenAudit) and r.event.control_verdict is not None for r in records)
+    if checks_incumbent and keeps and isinstance(last, RunFinished) and not last.resumable \
+            and checked_head != keeps[-1][0]:
+        raise TraceError(len(records), f"the run finished with candidate {keeps[-1][1]}'s commit "
+                                       f"{keeps[-1][0][:12]} at the head, never audited on fresh prompts at its end")
     return checked
+
+
+def _check_reverted(event: IncumbentReverted, line: int, keeps: list, incumbent_audits: dict, base: str) -> None:
+    """A revert follows from a failing audit of the incumbent on fresh prompts, and takes back the last keep in
+    effect, to the commit before it."""
+    failed = incumbent_audits.get(event.audit_seed)
+    if failed is None or audit_passed(failed):
+        raise TraceError(line, f"candidate {event.kept_by}'s keep was taken back, but the incumbent's audit "
+                               f"(seed {event.audit_seed}) {'passed' if failed else 'is missing'}")
+    if not keeps:
+        raise TraceError(line, "a keep was taken back, but none is in effect")
+    commit, candidate, speedup = keeps[-1]
+    restored = keeps[-2][0] if len(keeps) > 1 else base
+    if (event.failed_commit, event.kept_by, event.restored) != (commit, candidate, restored) \
+            or failed.commit != commit or not _close(event.speedup, speedup):
+        raise TraceError(line, f"the revert names {event.failed_commit[:12]} (candidate {event.kept_by}) back to "
+                               f"{event.restored[:12]}; the trace's last keep in effect is {commit[:12]} (candidate "
+                               f"{candidate}) on {restored[:12]}, audited at {failed.commit[:12] or 'no commit'}")
 
 
 def _check_audit(event: TokenAudit, line: int, rule: Audit, acceptance: Acceptance,
@@ -86,8 +132,34 @@ def _check_audit(event: TokenAudit, line: int, rule: Audit, acceptance: Acceptan
         raise TraceError(line, f"{where}: compared with an A/A (seed {recorded.calibration_seed}) the trace lacks")
     if calibration is not None and (refusal := calibration_refusal(calibration, rule)):
         raise TraceError(line, f"{where}: judged after an A/A that should have refused the run: {refusal}")
-    derived = judge(side, event.control, calibration.side if calibration else None, rule.hard_bound_nats,
-                    rule.rate_ratio, acceptance.confidence)
+    args = (rule.hard_bound_nats, rule.rate_ratio, acceptance.confidence)
+    aa = calibration.side if calibration else None
+    control = event.control
+    if event.control_verdict is not None:
+        _check_verdict(event.control_verdict, _invalid(event, "control", line, where)
+                       or judge(event.control, None, aa, *args), f"{where}, its control", line)
+        if not event.control_verdict.passed:
+            control = None  # a control that fails its own audit is no reference for the candidate
+    _check_verdict(recorded, _invalid(event, "candidate", line, where) or judge(side, control, aa, *args), where, line)
+
+
+def _invalid(event: TokenAudit, side: str, line: int, where: str):
+    """The recorded invalid outputs of one side, each consistent with itself; a verdict of `invalid` for them (None
+    when that side has none)."""
+    mine = [e for e in event.invalid if e.side == side]
+    for e in mine:
+        if e.kind == "vocabulary" and (e.token is None or e.limit is None or 0 <= e.token < e.limit) \
+                or e.kind == "count" and e.limit is None:
+            raise TraceError(line, f"{where}: invalid output (pass {e.repetition}, request {e.request}) is not what "
+                                   f"it says: {e.detail}")
+    if not mine:
+        return None
+    return type(event.verdict)(passed=False, test="invalid", reason="", hard_bound_nats=0, rate_ratio=0, alpha=0,
+                               reference="none", reference_non_top1=0, reference_tokens=0, rate_p_value=1.0,
+                               concentration_p_value=1.0)
+
+
+def _check_verdict(recorded, derived, where: str, line: int) -> None:
     if (recorded.passed, recorded.test, recorded.reference) != (derived.passed, derived.test, derived.reference) \
             or not (_close(recorded.rate_p_value, derived.rate_p_value)
                     and _close(recorded.concentration_p_value, derived.concentration_p_value)):
@@ -97,13 +169,20 @@ def _check_audit(event: TokenAudit, line: int, rule: Audit, acceptance: Acceptan
                                f"concentration p={derived.concentration_p_value:.4g})")
 
 
-def _check_report(report: BenchReport, acceptance: Acceptance, line: int, planned: list[int]) -> None:
+def task_estimator(task: dict) -> str:
+    """The estimator a run's task set: as recorded in its run_started record, or, where the task predates the
+    setting, the rule that decided then (the mean with a t interval), not today's default."""
+    return task.get("acceptance", {}).get("estimator", MEAN_T)
+
+
+def _check_report(report: BenchReport, acceptance: Acceptance, line: int, planned: list[int],
+                  estimator: str = MEAN_T) -> None:
     candidate = [getattr(s, report.metric) for s in report.samples if s.role == "candidate"]
     incumbent = [getattr(s, report.metric) for s in report.samples if s.role == "incumbent"]
     if report.sequential is None:  # fixed repetitions, before the stopping rule was recorded
         estimate = estimate_speedup(candidate, incumbent, acceptance.min_speedup, acceptance.confidence)
     else:
-        estimate = _check_sequential(report, candidate, incumbent, acceptance, line, planned)
+        estimate = _check_sequential(report, candidate, incumbent, acceptance, line, planned, estimator)
     if not (_close(report.speedup, estimate.speedup) and _close(report.ci_low, estimate.ci_low)
             and _close(report.ci_high, estimate.ci_high)):
         raise TraceError(line, f"benchmark of candidate {report.candidate}: its samples give "
@@ -112,19 +191,23 @@ def _check_report(report: BenchReport, acceptance: Acceptance, line: int, planne
 
 
 def _check_sequential(report: BenchReport, candidate: list[float], incumbent: list[float], acceptance: Acceptance,
-                      line: int, planned: list[int]):
-    """The looks again from the samples: the planned looks and the boundaries from the spending function, each
-    statistic, and the stop at the first look that crossed a boundary, with no pair measured after it."""
+                      line: int, planned: list[int], estimator: str = MEAN_T):
+    """The looks again from the samples: the planned looks and the boundaries from the spending function, the
+    estimator the task set, each statistic, and the stop at the first look that crossed a boundary, with no
+    pair measured after it."""
     recorded, where = report.sequential, f"benchmark of candidate {report.candidate}"
     if recorded.planned != planned:
         raise TraceError(line, f"{where}: planned looks {recorded.planned}, the task's benchmark plans {planned}")
+    if recorded.estimator != estimator:
+        raise TraceError(line, f"{where}: decided by estimator {recorded.estimator}, the task sets {estimator}")
     logs = [math.log(c / i) for c, i in zip(candidate, incumbent)]
     try:
         estimate, derived = sequential_estimate(logs, order_signs([s.role for s in report.samples]), planned,
-                                                acceptance.confidence, acceptance.min_speedup)
+                                                acceptance.confidence, acceptance.min_speedup, recorded.estimator)
     except ValueError as exc:
         raise TraceError(line, f"{where}: {exc}") from None
-    if recorded.spending != derived.spending or not _close(recorded.alpha, derived.alpha):
+    if recorded.spending != derived.spending or recorded.order_term != derived.order_term \
+            or not _close(recorded.alpha, derived.alpha):
         raise TraceError(line, f"{where}: recorded spending {recorded.spending} at alpha {recorded.alpha}, the task "
                                f"gives {derived.spending} at alpha {derived.alpha}")
     for got, want in zip(recorded.looks, derived.looks):

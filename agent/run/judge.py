@@ -26,6 +26,15 @@ from sandbox.host import describe_snapshot, server_snapshot
 from traces.schema import BenchReport, Decision, PatchApplied, Proposal, SampleTaken, Stage, TokenAudit
 
 
+class Remeasure(Exception):
+    """The incumbent this candidate was measured beside failed its audit and the branch went back
+    (agent/run/recheck.py): the candidate's evidence is void, and it is judged again on the new head."""
+
+    def __init__(self, measured_against: str, reason: str):
+        super().__init__(reason)
+        self.measured_against, self.reason = measured_against, reason
+
+
 class Rejected(Exception):
     def __init__(self, stage: Stage, reason: str, verdict: str = "discard"):
         super().__init__(reason)
@@ -46,6 +55,9 @@ class Judge:
         self.s, self.task, self.pool, self.emit = setup, setup.task, pool, emit
         self.reference, self.incumbent, self.calibration = reference, incumbent, calibration
         self.dedicated_parity = dedicated_parity
+        self.recheck = None
+        """agent/run/recheck.py's Recheck where a flagged incumbent is confirmed and taken back (the single-GPU loop);
+        without one, a control that fails is only left out as the candidate's reference."""
 
     def judge(self, trial: Trial, proposal: Proposal, args: dict, audits: list[TokenAudit]):
         """Surface, apply, build, parity, benchmark and audit: the decision, the production server and parity digest."""
@@ -120,6 +132,12 @@ class Judge:
             report, outputs, control = self.benchmark(trial, server, files, confirmation)
             if self.task.audit.enabled:
                 audits.append(self.audit(trial.candidate, outputs, confirmation, control))
+                verdict = audits[-1].control_verdict
+                if verdict is not None and not verdict.passed and self.recheck is not None:
+                    head = self.s.workspace.head()
+                    if not self.recheck.flagged(trial.candidate, confirmation, audits[-1]):
+                        raise Remeasure(head, f"measured beside the incumbent at {head[:12]}, which failed its "
+                                              f"audit: {verdict.reason}")
                 if not audit_passed(audits[-1]):
                     raise Rejected("audit", describe(audits[-1]))
             decision = self.decide(report)
@@ -159,7 +177,8 @@ class Judge:
 
     def audit(self, n: int, outputs, confirmation: int = 0, control=None) -> TokenAudit:
         event = run_audit(n, self.reference, outputs, self.task.audit, self.task.benchmark.request_timeout_s,
-                          self.task.acceptance.confidence, control, self.calibration, confirmation)
+                          self.task.acceptance.confidence, control, self.calibration, confirmation,
+                          vocab_size=self.s.vocab_size, expected_tokens=self.task.workload.output_len)
         self.emit(event)
         return event
 

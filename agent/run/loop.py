@@ -15,14 +15,15 @@ from typing import TYPE_CHECKING, Callable
 from agent.proposers.base import Attempt, ProposalContext, Proposer, ProposerExhausted
 from agent.run.baseline import Baseline, dedicated_parity, measure_baseline
 from agent.run.commits import commit_keep
-from agent.run.judge import Judge
+from agent.run.judge import Judge, Remeasure
+from agent.run.recheck import Recheck
 from agent.run.pool import ServerPool
 from agent.run.setup import RunSetup
 from agent.run.state import End, RunState
 from agent.run.trial import Trial
 from sandbox import make_sandbox
 from sandbox.base import Sandbox
-from traces.schema import AnyEvent, RunFinished, TokenAudit
+from traces.schema import AnyEvent, Remeasured, RunFinished, TokenAudit
 
 if TYPE_CHECKING:
     from agent.run.resume import Resumption
@@ -37,6 +38,7 @@ class Loop:
         self.state = RunState.of(self.task, resume)
         self.baseline: Baseline | None = None
         self.judge: Judge | None = None
+        self.recheck: Recheck | None = None
 
     def emit(self, event: AnyEvent) -> str:
         sha = self.s.trace.append(event)
@@ -47,6 +49,8 @@ class Loop:
         try:
             with self.pool:
                 self.state.end = self.start() or self.search()
+                if self.recheck is not None and self.state.end.kind != "finishing":
+                    self.recheck.final()
         except BaseException as exc:
             self.state.failed(exc)
             raise
@@ -69,6 +73,9 @@ class Loop:
             self.baseline.incumbent.restore(self.s.workspace.head())
         self.judge = Judge(self.s, self.pool, self.baseline.reference, self.baseline.incumbent,
                            self.baseline.calibration, dedicated_parity(self.s), self.emit)
+        if self.baseline.calibration is not None:
+            self.recheck = self.judge.recheck = Recheck(self.s, self.baseline.reference, self.baseline.incumbent,
+                                                        self.baseline.calibration, self.emit, self.state.revert)
         return None
 
     def search(self) -> End:
@@ -90,16 +97,23 @@ class Loop:
             proposal = self.proposer.propose(ctx)
             proposal.candidate = n
             self.emit(proposal)
-        args = {**incumbent.args, **proposal.engine_args}
-        audits: list[TokenAudit] = []
-        with Trial(n, self.pool, self.s.workspace, self.task.budget.candidate_timeout_s) as trial:
-            decision, production, digest = self.judge.judge(trial, proposal, args, audits)
-            decision_sha = self.emit(decision)
-            if decision.verdict == "keep":
-                server, tree = trial.hand_over(production)
-                commit_keep(self.s, proposal, decision, decision_sha, digest, audits, tree, args, self.emit)
-                incumbent.replace(server, args, tree)
-                self.state.keep(decision.speedup)
+        while True:  # again on the new head while the incumbent it was measured beside is taken back
+            args = {**incumbent.args, **proposal.engine_args}
+            audits: list[TokenAudit] = []
+            with Trial(n, self.pool, self.s.workspace, self.task.budget.candidate_timeout_s) as trial:
+                try:
+                    decision, production, digest = self.judge.judge(trial, proposal, args, audits)
+                except Remeasure as again:
+                    self.emit(Remeasured(candidate=n, measured_against=again.measured_against,
+                                         head_commit=self.s.workspace.head(), worker=0, reason=again.reason))
+                    continue
+                decision_sha = self.emit(decision)
+                if decision.verdict == "keep":
+                    server, tree = trial.hand_over(production)
+                    commit_keep(self.s, proposal, decision, decision_sha, digest, audits, tree, args, self.emit)
+                    incumbent.replace(server, args, tree)
+                    self.state.keep(decision.speedup)
+            break
         attempt = Attempt(proposal=proposal, decision=decision)
         self.state.observe(attempt)
         self.proposer.observe(attempt)

@@ -4,7 +4,10 @@ with another vLLM checkout or NIGHTSHIFT_CACHE (`nightshift run --resume <pack.t
 The pack is unpacked into the runs folder (each file checked against the manifest's sha256), the run is audited
 against its bundled branch as `replay` audits it, and the branch is brought into this host's checkout: one
 made by `nightshift checkout` from the installed vLLM (or `--checkout PATH`), whose sources must be the run's
-base commit's. Where the run was and where it goes on is the `moved` field of the `resumed` record."""
+base commit's. Where the run was and where it goes on is the `moved` field of the `resumed` record.
+
+A queue run's patch folder is recorded as an absolute path; the pack carries its patches (`queued-patches/`), and a
+host where that folder is absent (and not in this project at the same place) reads the carried copy."""
 from __future__ import annotations
 
 import hashlib
@@ -24,6 +27,9 @@ from traces.errors import NightshiftError
 from traces.schema import Moved, Record, Resumed, RunStarted
 
 MANIFEST = "manifest.json"
+QUEUE = "queued-patches"
+"""A queue run's patch files as packed, in the run folder: a host without the recorded patch folder reads these."""
+QUEUE_SUFFIXES = (".patch", ".diff")
 
 
 class MoveRefused(NightshiftError):
@@ -84,6 +90,36 @@ def unpack(pack: Path, runs_dir: Path) -> Arrival:
     return Arrival(dest, str(pack), digest)
 
 
+def queued_patches(records: list[Record], run_dir: Path) -> tuple[str, dict[str, bytes]]:
+    """A queue run's patch files to pack, as `queued-patches/NAME`, and the folder they came from: the task's
+    recorded folder where it exists, else the copy a pack brought into the run folder. ('', {}): not a queue run,
+    or neither folder is here."""
+    for folder in queue_folders(records[0].event.task, run_dir):
+        if folder.is_dir():
+            return str(folder), {f"{QUEUE}/{p.name}": p.read_bytes() for p in sorted(folder.iterdir())
+                                 if p.suffix in QUEUE_SUFFIXES and p.is_file()}
+    return "", {}
+
+
+def queue_folders(task: dict, run_dir: Path) -> list[Path]:
+    proposer = task.get("proposer") or {}
+    if proposer.get("kind") != "queue" or not proposer.get("patches"):
+        return []
+    return [Path(proposer["patches"]), Path(run_dir) / QUEUE]
+
+
+def find_queue(task, run_dir: Path) -> str:
+    """Where a resumed queue run reads its patches (TASK's paths already mapped onto this host): the recorded
+    folder (or its place in this project) where it exists, else the pack's copy in the run folder, which the task
+    is pointed at. Returns the folder ('' for another proposer)."""
+    if getattr(task.proposer, "kind", "") != "queue":
+        return ""
+    carried = Path(run_dir) / QUEUE
+    if not Path(task.proposer.patches).is_dir() and carried.is_dir():
+        task.proposer.patches = carried
+    return str(task.proposer.patches)
+
+
 def refuse_if_alive_here(run_dir: Path) -> None:
     """A pack taken while its harness ran, resumed on the harness's host while it still runs, is refused: both
     would go on from the same state. On another host the recorded pid means nothing; the pack says it was live."""
@@ -121,7 +157,7 @@ def traced_place(records: list[Record]) -> dict:
     return {"host": started.host, "run_dir": started.run_dir, "checkout": started.checkout, "cache": started.cache}
 
 
-def moved(records: list[Record], run_dir: Path, checkout: Path, arrival: Arrival) -> Moved | None:
+def moved(records: list[Record], run_dir: Path, checkout: Path, arrival: Arrival, queue: str = "") -> Moved | None:
     """The `moved` field of the resumed record: None where nothing known of the last place differs from here."""
     was = last_place(records, run_dir)
     now = {"host": socket.gethostname(), "run_dir": str(run_dir), "checkout": str(checkout),
@@ -130,7 +166,7 @@ def moved(records: list[Record], run_dir: Path, checkout: Path, arrival: Arrival
         return None
     packed_live = bool(_manifest(run_dir).get("harness_alive"))
     return Moved(**{f"from_{k}": v for k, v in was.items()}, **{f"to_{k}": v for k, v in now.items()},
-                 pack=arrival.pack, pack_sha256=arrival.pack_sha256, packed_live=packed_live)
+                 pack=arrival.pack, pack_sha256=arrival.pack_sha256, packed_live=packed_live, queue=queue)
 
 
 def place_checkout(run_dir: Path, records: list[Record], version: str, checkout: Path | None,

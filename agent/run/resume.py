@@ -26,14 +26,15 @@ import git
 
 from agent.replay.chain import audit, resolve_run, stopped
 from agent.world.checkout import installed_vllm, open_checkout
-from agent.world.checkpoint import cache_root, prepare_model
-from agent.run.move import Arrival, is_pack, moved, place_checkout, refuse_if_alive_here, settled, unpack
+from agent.world.checkpoint import cache_root, mismatch, prepare_model
+from agent.run.move import (Arrival, find_queue, is_pack, moved, place_checkout, refuse_if_alive_here, settled,
+                            unpack)
 from agent.run.commits import commit_keep
 from agent.run.relaxed import of_run
 from agent.proposers import Proposer, make_proposer
 from agent.proposers.base import Attempt
 from agent.run.setup import RunSetup, _version, lock_run
-from agent.world.task import map_project_paths, parse_task
+from agent.world.task import builtin_tasks, map_project_paths, parse_task
 from agent.run.reaping import reap_workers
 from agent.run.workspace import Workspace
 from sandbox import make_sandbox
@@ -41,8 +42,8 @@ from sandbox.base import Sandbox
 from traces import TraceError, TraceWriter
 from traces.errors import NightshiftError
 from traces.log import parse_trace
-from traces.schema import (Commit, Decision, ParityReport, PatchApplied, Proposal, Record, Resumed, RunFinished,
-                           RunStarted, TokenAudit)
+from traces.schema import (Commit, Decision, IncumbentReverted, ParityReport, PatchApplied, Proposal, Record,
+                           Resumed, Reverted, RunFinished, RunStarted, TokenAudit)
 
 
 class ResumeRefused(NightshiftError):
@@ -142,18 +143,28 @@ def rebuild(records: list[Record]) -> Resumption:
             proposed_on[record.event.candidate] = head
         elif isinstance(record.event, Decision):
             decisions[record.event.candidate] = record
-        elif isinstance(record.event, Commit):
+        elif isinstance(record.event, (Commit, Reverted)):
             head = record.event.commit
     history = [Attempt(proposals[n], decisions[n].event) for n in sorted(decisions, key=lambda n: decisions[n].seq)]
     keeps = [r for r in decisions.values() if r.event.verdict == "keep"]
     pending = next((r for r in keeps if r.sha256 not in committed), None)
     best = math.prod(r.event.speedup for r in keeps)
+    taken_back = _taken_back(records)  # keeps whose server failed the audit later, reverted on the branch
+    best /= math.prod(taken_back)
     redo = [proposals[n] for n in sorted(proposals) if n not in decisions]
-    state = Resumption(event=None, history=history, best_speedup=best, kept=len(keeps), spent_s=_spent(records),
+    state = Resumption(event=None, history=history, best_speedup=best, kept=len(keeps) - len(taken_back),
+                       spent_s=_spent(records),
                        redo=redo, proposed_on=proposed_on)
     if pending is not None:
         state.pending = _pending(records, pending, proposals[pending.event.candidate])
     return state
+
+
+def _taken_back(records: list[Record]) -> list[float]:
+    """The speedups of the keeps a `reverted` record took back (agent/run/recheck.py)."""
+    by_sha = {r.sha256: r.event for r in records}
+    return [by_sha[r.event.event_sha256].speedup for r in records
+            if isinstance(r.event, Reverted) and isinstance(by_sha.get(r.event.event_sha256), IncumbentReverted)]
 
 
 def nothing_left(task, state: Resumption) -> str:
@@ -183,7 +194,8 @@ def _pending(records: list[Record], decision: Record, proposal: Proposal) -> Pen
     after = [r.event for r in records[start:decision.seq]]
     applied = records[start].event
     parity = [e for e in after if isinstance(e, ParityReport) and e.candidate == n]
-    audits = [e for e in after if isinstance(e, TokenAudit) and e.candidate == n and not e.calibration]
+    audits = [e for e in after if isinstance(e, TokenAudit) and e.candidate == n and not e.calibration
+              and not e.incumbent]
     return PendingKeep(decision, proposal, applied, parity[-1].digest, audits)
 
 
@@ -193,6 +205,7 @@ def open_run(run_dir: Path, records: list[Record], vllm_version: str | None, loc
     branch brought into this host's checkout first)."""
     started: RunStarted = records[0].event
     task = map_project_paths(parse_task(started.task, f"{run_dir / 'trace.jsonl'} (run_started.task)"), here)
+    find_queue(task, run_dir)
     linked = vllm_version is None
     version = installed_vllm()[1] if linked else vllm_version
     if version != started.vllm_version:
@@ -200,7 +213,7 @@ def open_run(run_dir: Path, records: list[Record], vllm_version: str | None, loc
     model = prepare_model(task)
     if model.sha256 != started.model_sha256:
         raise ResumeRefused(f"the model's weights are not the run's (sha256 {model.sha256[:12]}, the run had "
-                            f"{started.model_sha256[:12]})")
+                            f"{started.model_sha256[:12]}): {mismatch(started.model_written, model)}")
     repo = open_checkout(place_checkout(run_dir, records, version, checkout, linked), version)
     vocab_size = int(json.loads((model.path / "config.json").read_text())["vocab_size"])
     workspace = Workspace(repo, started.run_id, run_dir / "worktrees")
@@ -212,19 +225,22 @@ def open_run(run_dir: Path, records: list[Record], vllm_version: str | None, loc
 
 
 PROJECT = Path(__file__).resolve().parents[2]
+"""The folder holding the `agent` package: the project in a source checkout (site-packages when installed)."""
 
 
 def here(recorded: Path, project: Path = PROJECT) -> Path:
     """A path the run recorded, on this host: itself where it exists, else the same path within this
     project (the task's model config and patch folder live in the project, which another host may hold
-    elsewhere: /old/place/tasks/models/x/config.json is looked for at PROJECT/tasks/models/x/config.json).
+    elsewhere: /old/place/tasks/models/x/config.json is looked for at PROJECT/tasks/models/x/config.json),
+    else within the built-in tasks (an installed package's copy: models/x/config.json there).
     What it names is checked after (the model by its weights' sha256)."""
     if recorded.exists():
         return recorded
-    for i in range(1, len(recorded.parts)):
-        candidate = project.joinpath(*recorded.parts[i:])
-        if candidate.exists():
-            return candidate
+    for root in (project, builtin_tasks()):
+        for i in range(1, len(recorded.parts)):
+            candidate = root.joinpath(*recorded.parts[i:])
+            if candidate.exists():
+                return candidate
     return recorded
 
 
@@ -306,7 +322,8 @@ def resume_run(run: str, runs_dir: Path, vllm_version: str | None = None, sandbo
         head_commit=setup.workspace.head(), candidates_done=len(state.history), kept=state.kept,
         best_speedup=state.best_speedup, spent_s=round(state.spent_s, 3),
         downtime_s=round(max(0.0, time.time() - last.time), 3), reaped=reaped, worktrees_removed=removed,
-        finishing=nothing_left(setup.task, state), moved=moved(records, run_dir, Path(setup.repo.working_dir), arrival))
+        finishing=nothing_left(setup.task, state),
+        moved=moved(records, run_dir, Path(setup.repo.working_dir), arrival, find_queue(setup.task, run_dir)))
     return setup, proposer, sandbox, state
 
 
@@ -316,7 +333,8 @@ def describe(event: Resumed) -> str:
     if event.moved is not None:
         m = event.moved
         what.append(f"moved from {m.from_host or '?'}:{m.from_run_dir or '?'} to {m.to_host}:{m.to_run_dir}, "
-                    f"branch in {m.to_checkout}" + (" (packed while it ran there)" if m.packed_live else ""))
+                    f"branch in {m.to_checkout}" + (" (packed while it ran there)" if m.packed_live else "")
+                    + (f", queued patches from {m.queue}" if m.queue else ""))
     if event.dropped_bytes:
         what.append(f"a torn last line of {event.dropped_bytes} bytes cut off")
     if event.pending_keep:

@@ -111,6 +111,7 @@ class RunSetup:
                           platform=platform.platform(), checkout=str(self.repo.working_dir),
                           base_commit=self.base_commit, branch=self.workspace.branch, model_sha256=self.model.sha256,
                           model_margins=self.model.margins.model_dump() if self.model.margins else None,
+                          model_written=self.model.written,
                           task=self.task.model_dump(mode="json"), host=socket.gethostname(),
                           run_dir=str(self.run_dir), cache=str(cache_root()), relaxed=self.relaxed)
 

@@ -86,6 +86,11 @@ class RunState:
         self.kept += 1
         self.best_speedup *= speedup
 
+    def revert(self, speedup: float) -> None:
+        """A kept change found wrong later was taken back (agent/run/recheck.py)."""
+        self.kept -= 1
+        self.best_speedup /= speedup
+
     def failed(self, exc: BaseException) -> None:
         self.end, self.resumable = End.of_exception(exc), leaves_resumable(exc)
 

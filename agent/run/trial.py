@@ -67,9 +67,6 @@ class Trial:
             requests = [dataclasses.replace(r, startup_timeout_s=left) for r in requests]
         return self.pool.begin(requests, self._own)
 
-    def start(self, requests: list[ServerRequest]) -> list[Server]:
-        return self.begin(requests).all()
-
     def _own(self, server: Server) -> None:
         with self._lock:
             self.servers.append(server)

@@ -6,18 +6,20 @@ import gzip
 import hashlib
 import json
 import math
+import re
 import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import httpx
 import numpy as np
 
 from agent.world import gpu_state
 from agent.stages.load import LoadClient, steady_window
 from agent.stages.completions import ANSWER_ERRORS, RequestError, draw_prompts
-from agent.stages.stats import SpeedupEstimate, idle_work, plan_looks, sequential_estimate
+from agent.stages.stats import SpeedupEstimate, idle_work, off_schedule, plan_looks, sequential_estimate
 from agent.world.task import Task
 from agent.stages.token_audit import Output
 from sandbox.base import Server
@@ -135,6 +137,34 @@ async def settle(pids: dict[int, str], max_wait_s: float) -> tuple[float, dict[s
         before, clock = after, now
 
 
+STEP_METRIC = "vllm:iteration_tokens_total"
+METRICS_TIMEOUT_S = 5.0
+STEP_LINE = re.compile(r"^vllm:iteration_tokens_total_(count|sum)(?:\{[^}]*\})?\s+(\S+)", re.MULTILINE)
+
+
+def parse_steps(text: str) -> tuple[int, int] | None:
+    """(engine steps, tokens) from a Prometheus text exposition: STEP_METRIC's _count and _sum, summed over its
+    label sets (one per engine); None where the metric is absent."""
+    found: dict[str, float] = {}
+    for match in STEP_LINE.finditer(text):
+        try:
+            found[match[1]] = found.get(match[1], 0.0) + float(match[2])
+        except ValueError:
+            continue
+    return (round(found["count"]), round(found["sum"])) if "count" in found and "sum" in found else None
+
+
+async def engine_counts(server: Server) -> tuple[int, int] | None:
+    """The server's engine steps and the tokens they processed so far (its /metrics), read outside the clock;
+    None where it serves no such metric or does not answer in METRICS_TIMEOUT_S."""
+    try:
+        async with server.endpoint.client(METRICS_TIMEOUT_S) as client:
+            response = await client.get("/metrics")
+    except (httpx.HTTPError, OSError, AttributeError):
+        return None
+    return parse_steps(response.text) if response.status_code == 200 else None
+
+
 async def timed_pass(load: LoadClient, server: Server, role: str, repetition: int, prompts: list[list[int]],
                      output_len: int, concurrency: int | None, timeout_s: float, gpus: list[int] = (),
                      stall_s: float | None = None, idle: Server | None = None, settle_s: float = 0.0,
@@ -148,12 +178,15 @@ async def timed_pass(load: LoadClient, server: Server, role: str, repetition: in
                if pid is not None and who not in restless}
     settled_s, busy = await settle(waiting, settle_s)
     restless.update(busy)
+    counts_before = await engine_counts(server)
     with gpu_state.GpuMonitor(list(gpus), gpu_state.server_pids(server) if gpus else None) as gpu:
         idle_before = cpu_seconds(idle_pid)
         started = time.perf_counter()
         result = await answered(load, server, role, repetition, prompts, output_len, concurrency, timeout_s, stall_s)
         seconds, completions = time.perf_counter() - started, result.completions
         idle_after = cpu_seconds(idle_pid)
+    counts_after = await engine_counts(server) if counts_before is not None else None
+    steps = None if counts_after is None else (counts_after[0] - counts_before[0], counts_after[1] - counts_before[1])
     outputs = [c.tokens for c in completions]
     short = [i for i, tokens in enumerate(outputs) if len(tokens) != output_len]
     if short:
@@ -186,7 +219,8 @@ async def timed_pass(load: LoadClient, server: Server, role: str, repetition: in
                     client_busy=round(result.busy, 3), outputs_sha256=outputs_sha256(prompts, outputs),
                     steady_seconds=steady[0], steady_total_tokens_per_s=(steady[1] + steady[2]) / steady[0],
                     steady_output_tokens_per_s=steady[2] / steady[0], gpu=state, flags=flags,
-                    neighbour_cpu_s=idle_cpu, settle_s=settled_s)
+                    neighbour_cpu_s=idle_cpu, settle_s=settled_s, engine_steps=steps and steps[0],
+                    step_tokens=steps and steps[1])
     return Pass(sample, prompts, outputs)
 
 
@@ -210,10 +244,6 @@ class Comparison:
     estimate: SpeedupEstimate
     note: str
     passes: list[Pass]
-
-    @property
-    def sequential(self):
-        return self.estimate.sequential
 
     def outputs(self, role: str) -> list[Output]:
         return [o for p in self.passes if p.sample.role == role for o in p.requests()]
@@ -290,9 +320,11 @@ async def _compare(load: LoadClient, task: Task, incumbent: Server, candidate: S
         logs.append(math.log(getattr(passes["candidate"].sample, metric) / getattr(passes["incumbent"].sample, metric)))
         signs.append(1.0 if order[0][0] == "incumbent" else -1.0)
         if len(logs) in looks:
-            estimate, sequential = sequential_estimate(logs, signs, looks, a.confidence, a.min_speedup)
+            estimate, sequential = sequential_estimate(logs, signs, looks, a.confidence, a.min_speedup, a.estimator)
             if sequential.stopped:
                 break
+    for (role, repetition), why in off_schedule(samples).items():
+        next(s for s in samples if s.role == role and s.repetition == repetition).flags.append(why)
     busy = idle_work(samples, b.max_idle_cpu)
     if busy:
         raise IdleWork(busy)

@@ -6,7 +6,15 @@ to audit (all, or `audit.sample`) with a seed the candidate never sees, and send
 the returned token's log-prob and the reference's top-1 token and log-prob. The incumbent's outputs of
 the same benchmark are drawn and scored the same way: they are the control, honest numerics measured
 under the same load. `judge` is the rule: a hard bound on any position, then the candidate's rate of
-non-top-1 positions against the control's (or the A/A's, if higher), overall and within one request."""
+non-top-1 positions against the control's (or the A/A's, if higher), overall and within one request.
+
+What a side returned is its own: before anything is sent, every output is checked (integer ids inside the model's
+vocabulary, exactly the tokens asked for); one that fails rejects the candidate (`invalid`) or flags the incumbent,
+and is never sent. Where the reference answers a scoring request with an error status or an answer it cannot
+parse, it is asked to score the harness's own prompt alone: answered, the refusal is the side's (`refused`);
+not answered, or a request that got no answer at all, is a reference outage (ReferenceFailed, the run stops).
+The control is judged too, against the A/A alone (`control_verdict`): the incumbent is checked in every
+benchmark."""
 from __future__ import annotations
 
 import asyncio
@@ -21,9 +29,10 @@ from agent.stages.completions import ANSWER_ERRORS, RequestError, completion_bod
 from sandbox.base import Server
 from agent.stages.parity import ReferenceFailed
 from agent.world.task import Audit
-from traces.schema import AuditSide, AuditVerdict, Deficits, TokenAudit, Violation
+from traces.schema import AuditSide, AuditVerdict, Deficits, InvalidOutput, TokenAudit, Violation
 
 MAX_RECORDED_VIOLATIONS = 20
+MAX_RECORDED_INVALID = 20
 
 
 @dataclass
@@ -62,25 +71,81 @@ def parse_prompt_logprobs(entries: list, prompt_len: int, tokens: list[int]) -> 
     return positions
 
 
+class Refused(RequestError):
+    """The reference answered, but with an error status or an answer that cannot be read: whose fault it is, the
+    scored tokens' or the reference's, a probe decides (`attribute`)."""
+
+
 async def score(client, prompt: list[int], tokens: list[int]) -> list[Position]:
+    """The generated positions' scores; Refused for an answer that is an error (a 5xx is asked once more) or cannot be
+    read; a transport error (no answer) propagates."""
     body = completion_body(prompt + tokens, 1, prompt_logprobs=1)
-    response = await client.post("/v1/completions", json=body)
+    for attempt in range(2):
+        response = await client.post("/v1/completions", json=body)
+        if response.status_code < 500 or attempt:
+            break
     if response.status_code != 200:
-        raise RequestError(f"HTTP {response.status_code}: {response.text[:500]}")
-    return parse_prompt_logprobs(response.json()["choices"][0].get("prompt_logprobs") or [], len(prompt), tokens)
+        raise Refused(f"HTTP {response.status_code}: {response.text[:500]}")
+    try:
+        return parse_prompt_logprobs(response.json()["choices"][0].get("prompt_logprobs") or [], len(prompt), tokens)
+    except (RequestError, KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        raise Refused(f"an answer that cannot be read: {type(exc).__name__}: {exc}") from None
 
 
-async def score_all(reference: Server, outputs: list[Output], concurrency: int, timeout_s: float) -> list[list[Position]]:
+async def score_all(reference: Server, outputs: list[Output], concurrency: int, timeout_s: float,
+                    refusals: bool = False) -> list:
+    """Each output's positions; with `refusals`, an output the reference refused (Refused) holds that exception in
+    its place instead of ending the scoring."""
     results: list = [None] * len(outputs)
     queue = iter(range(len(outputs)))
 
     async def lane() -> None:
         async with reference.client(timeout_s) as client:
             for index in queue:
-                results[index] = await score(client, outputs[index].prompt, outputs[index].tokens)
+                try:
+                    results[index] = await score(client, outputs[index].prompt, outputs[index].tokens)
+                except Refused as exc:
+                    if not refusals:
+                        raise
+                    results[index] = exc
 
     await asyncio.gather(*(lane() for _ in range(min(concurrency, len(outputs)) or 1)))
     return results
+
+
+def invalid_outputs(outputs: list[Output], vocab_size: int | None, expected_tokens: int | None,
+                    side: str = "candidate") -> list[InvalidOutput]:
+    """The outputs the reference cannot score, found before any is sent: an id that is not an integer
+    (`malformed`), a count other than the tokens asked for (`count`), an id outside [0, vocab_size) (`vocabulary`)."""
+    found = []
+    for o in outputs:
+        where = dict(side=side, repetition=o.repetition, request=o.request)
+        tokens = o.tokens if isinstance(o.tokens, list) else None
+        bad_type = None if tokens is None else next(
+            ((i, t) for i, t in enumerate(tokens) if type(t) is not int), None)
+        if tokens is None or bad_type is not None:
+            found.append(InvalidOutput(**where, kind="malformed", position=bad_type[0] if bad_type else None,
+                                       detail=f"not a list of integer token ids"
+                                              + (f" ({bad_type[1]!r} at position {bad_type[0]})" if bad_type else "")))
+        elif expected_tokens is not None and len(tokens) != expected_tokens:
+            found.append(InvalidOutput(**where, kind="count", limit=expected_tokens,
+                                       detail=f"{len(tokens)} tokens where {expected_tokens} were asked for"))
+        elif vocab_size is not None and (bad := next(((i, t) for i, t in enumerate(tokens)
+                                                      if not 0 <= t < vocab_size), None)):
+            found.append(InvalidOutput(**where, kind="vocabulary", position=bad[0], token=bad[1], limit=vocab_size,
+                                       detail=f"token id {bad[1]} at position {bad[0]} is outside the vocabulary "
+                                              f"[0, {vocab_size})"))
+    return found
+
+
+def describe_invalid(entry: InvalidOutput) -> str:
+    return f"pass {entry.repetition}, request {entry.request}: {entry.detail}"
+
+
+async def _probe(reference: Server, prompt: list[int], timeout_s: float) -> None:
+    """The reference scores the harness's own prompt alone (drawn inside the vocabulary): it answers, or it is down."""
+    async with reference.client(timeout_s) as client:
+        await score(client, prompt, [])
 
 
 def pick(outputs: list[Output], sample: int | None, seed: int) -> list[Output]:
@@ -129,6 +194,18 @@ def dispersion(*sides: AuditSide) -> float:
             chi2 += (count - expected) ** 2 / (expected * (1 - mean)) if 0 < mean < 1 else 0.0
         df += side.requests - 1
     return max(1.0, chi2 / df) if df else 1.0
+
+
+def invalid_verdict(invalid: list[InvalidOutput], count: int, hard_bound_nats: float, rate_ratio: float,
+                    confidence: float, side: str = "candidate") -> AuditVerdict:
+    """The verdict on a side some of whose outputs the reference cannot score: rejected, naming the first."""
+    mine = [e for e in invalid if e.side == side]
+    kinds = sorted({e.kind for e in mine})
+    return AuditVerdict(passed=False, test="invalid", hard_bound_nats=hard_bound_nats, rate_ratio=rate_ratio,
+                        alpha=1.0 - confidence, reference="none", reference_non_top1=0, reference_tokens=0,
+                        rate_p_value=1.0, concentration_p_value=1.0, reason=(
+                            f"{count} of its outputs cannot be scored by the reference ({', '.join(kinds)}); first: "
+                            f"{describe_invalid(mine[0])}"))
 
 
 def judge(side: AuditSide, control: AuditSide | None, calibration: AuditSide | None, hard_bound_nats: float,
@@ -198,7 +275,7 @@ def judge(side: AuditSide, control: AuditSide | None, calibration: AuditSide | N
 
 async def _score_sides(reference: Server, sides: list[list[Output]], concurrency: int, timeout_s: float):
     flat = [o for chosen in sides for o in chosen]
-    scored = await score_all(reference, flat, concurrency, timeout_s)
+    scored = await score_all(reference, flat, concurrency, timeout_s, refusals=True)
     out, at = [], 0
     for chosen in sides:
         out.append(scored[at:at + len(chosen)])
@@ -206,38 +283,92 @@ async def _score_sides(reference: Server, sides: list[list[Output]], concurrency
     return out
 
 
+def attribute(reference: Server, chosen: list[list[Output]], scored: list[list], names: list[str],
+              timeout_s: float) -> list[InvalidOutput]:
+    """The outputs the reference refused, each its side's (`refused`) once the reference has answered the harness's
+    own prompt (the first refused output's prompt alone); raises ReferenceFailed where it does not."""
+    refused = [(name, o, result) for name, outs, results in zip(names, chosen, scored)
+               for o, result in zip(outs, results) if isinstance(result, Refused)]
+    if not refused:
+        return []
+    try:
+        asyncio.run(_probe(reference, refused[0][1].prompt, timeout_s))
+    except (*ANSWER_ERRORS, KeyError, ValueError) as exc:
+        raise ReferenceFailed(f"the reference server failed while auditing tokens: {refused[0][2]}; and it does not "
+                              f"answer the harness's own prompt either: {type(exc).__name__}: {exc}") from None
+    return [InvalidOutput(side=name, repetition=o.repetition, request=o.request, kind="refused",
+                          detail=f"the reference refused to score its tokens ({result}) and answered the harness's "
+                                 f"own prompt right after") for name, o, result in refused]
+
+
 def run_audit(candidate: int, reference: Server, outputs: list[Output], audit: Audit, timeout_s: float,
               confidence: float, control_outputs: list[Output] | None = None,
-              calibration: TokenAudit | None = None, confirmation: int = 0, is_calibration: bool = False) -> TokenAudit:
-    """Score the chosen outputs (and the control's, drawn with the same seed) on the reference, then judge them;
-    raises ReferenceFailed if the reference cannot answer."""
+              calibration: TokenAudit | None = None, confirmation: int = 0, is_calibration: bool = False,
+              vocab_size: int | None = None, expected_tokens: int | None = None, incumbent: bool = False,
+              commit: str = "") -> TokenAudit:
+    """Check every output (ids in [0, vocab_size), `expected_tokens` each), score the chosen valid ones (and the
+    control's, drawn with the same seed) on the reference, then judge them: the candidate against the control and
+    the A/A, the control against the A/A. Raises ReferenceFailed if the reference cannot answer at all.
+    `incumbent`: the incumbent's own outputs on fresh prompts, judged against the A/A alone."""
     started, seed = time.perf_counter(), secrets.randbits(63)
-    chosen = [pick(outputs, audit.sample, seed)] + ([pick(control_outputs, audit.sample, seed)]
-                                                     if control_outputs is not None else [])
+    invalid = invalid_outputs(outputs, vocab_size, expected_tokens) if not is_calibration else []
+    if control_outputs is not None:
+        invalid += invalid_outputs(control_outputs, vocab_size, expected_tokens, "control")
+    mine_invalid = [e for e in invalid if e.side == "candidate"]
+    skip = {("candidate", e.repetition, e.request) for e in invalid} | {
+        ("control", e.repetition, e.request) for e in invalid if e.side == "control"}
+    chosen = [[] if mine_invalid else pick(outputs, audit.sample, seed)]
+    if control_outputs is not None:
+        chosen.append(pick(control_outputs, audit.sample, seed))
+    names = ["candidate", "control"][:len(chosen)]
+    chosen = [[o for o in outs if (name, o.repetition, o.request) not in skip] for name, outs in zip(names, chosen)]
     try:
         scored = asyncio.run(_score_sides(reference, chosen, audit.concurrency, timeout_s))
     except (*ANSWER_ERRORS, KeyError, ValueError) as exc:
         raise ReferenceFailed(f"the reference server failed while auditing tokens: {type(exc).__name__}: {exc}") \
             from None
+    invalid += attribute(reference, chosen, scored, names, timeout_s)
+    for index, name in enumerate(names):  # what was refused is left out of the side
+        keep = [i for i, result in enumerate(scored[index]) if not isinstance(result, Refused)]
+        chosen[index], scored[index] = [chosen[index][i] for i in keep], [scored[index][i] for i in keep]
+    counts = {name: sum(e.side == name for e in invalid) for name in names}
     side = side_of(chosen[0], scored[0])
     control = side_of(chosen[1], scored[1]) if control_outputs is not None else None
+    control_bad = bool(counts.get("control"))
     violations = violations_of(chosen[0], scored[0], audit.hard_bound_nats)
-    verdict = None if is_calibration else judge(side, control, calibration.side if calibration else None,
-                                                audit.hard_bound_nats, audit.rate_ratio, confidence)
+    reference_side = calibration.side if calibration else None
+    rule = (audit.hard_bound_nats, audit.rate_ratio, confidence)
+    control_verdict = None
+    if control is not None and calibration is not None:
+        control_verdict = (invalid_verdict(invalid, counts["control"], *rule, side="control") if control_bad
+                           else judge(control, None, reference_side, *rule))
+        control_verdict.calibration_seed = calibration.sample_seed
+    if is_calibration:
+        verdict = None
+    elif counts["candidate"]:
+        verdict = invalid_verdict(invalid, counts["candidate"], *rule)
+    else:  # a control that fails its own audit is no reference for the candidate
+        trusted = None if control_bad or (control_verdict is not None and not control_verdict.passed) else control
+        verdict = judge(side, trusted, reference_side, *rule)
     if verdict is not None and calibration is not None:
         verdict.calibration_seed = calibration.sample_seed
+    recorded = [e for name in names for e in [e for e in invalid if e.side == name][:MAX_RECORDED_INVALID]]
     return TokenAudit(candidate=candidate, confirmation=confirmation, calibration=is_calibration,
                       requests=side.requests, of_requests=len(outputs), tokens=side.tokens,
                       tolerance_nats=audit.hard_bound_nats, deficits=deficits_of(side.values, side.tokens),
                       violation_count=len(violations), violations=violations[:MAX_RECORDED_VIOLATIONS],
                       sample_seed=seed, seconds=round(time.perf_counter() - started, 3), side=side, control=control,
-                      verdict=verdict)
+                      verdict=verdict, invalid=recorded, invalid_count=len(invalid), control_verdict=control_verdict,
+                      incumbent=incumbent, commit=commit)
 
 
 def calibration_refusal(audit: TokenAudit, rule: Audit) -> str:
     """Why the A/A refuses the run ('' when it does not): a position beyond the hard bound, or a share of non-top-1
     tokens above audit.max_aa_rate. Honest numerics, however noisy, start the run."""
     rate = audit.deficits.non_top1 / audit.tokens if audit.tokens else 0.0
+    if audit.invalid_count:
+        return (f"{audit.invalid_count} of its outputs cannot be scored by the reference; first: "
+                f"{describe_invalid(audit.invalid[0])}")
     if audit.violation_count:
         v = audit.violations[0]
         return (f"{audit.violation_count} of {audit.tokens} tokens lie more than {audit.tolerance_nats:g} nats below "

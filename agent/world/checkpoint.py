@@ -12,11 +12,12 @@ import shutil
 import time
 from pathlib import Path
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from agent.world.numerics import Margins
 from agent.world.paths import cache_root
 from traces.errors import NightshiftError
+from traces.schema import CheckpointWritten
 
 RECIPE = "hf-from-config-v1"
 KNOB_DEFAULTS = {"logit_scale": 1.0, "final_norm_scale": 1.0, "post_norm_scale": 1.0, "embedding_norm_sigma": 0.0,
@@ -42,6 +43,49 @@ class CheckpointInfo(BaseModel):
     """Where the seeded initialisation ran: the same seed gives other weights on a GPU than on a CPU."""
     margins: Margins | None = None
     seconds: float = 0.0
+    written: CheckpointWritten | None = None
+    """How it was written (None: real weights, or a synthetic one cached before this was recorded)."""
+    cached: bool = Field(False, exclude=True)
+    """Found in the cache rather than written now (not stored in its manifest)."""
+
+    def describe(self) -> str:
+        """One line for `nightshift run`: the weights, and for a synthetic checkpoint how they were written."""
+        if self.written is None:
+            return f"model {self.path}: sha256 {self.sha256[:16]}" + ("" if self.seed is None else
+                                                                      f", seed {self.seed} (how it was written: "
+                                                                      f"not recorded)")
+        how = "cached" if self.cached else f"written in {self.seconds:.0f} s"
+        return f"synthetic model {self.path.name} ({how}): {self.written.describe()}"
+
+
+def writing_environment(device: str, dtype: str) -> CheckpointWritten:
+    """What decides the bytes a seeded initialisation writes, on this host."""
+    import platform
+
+    import numpy
+    import safetensors
+    import torch
+    import transformers
+
+    name = torch.cuda.get_device_name() if device == "cuda" else platform.machine()
+    return CheckpointWritten(recipe=RECIPE, device=device, device_name=name, dtype=dtype,
+                             torch=torch.__version__, cuda=torch.version.cuda or "",
+                             transformers=transformers.__version__, safetensors=safetensors.__version__,
+                             numpy=numpy.__version__)
+
+
+def mismatch(recorded: CheckpointWritten | None, found: CheckpointInfo) -> str:
+    """Why a checkpoint's sha256 differs from the one a run recorded, as far as the two records tell."""
+    if recorded is None or found.written is None:
+        return (f"how the run's checkpoint was written is not recorded; here: "
+                f"{found.written.describe() if found.written else 'not recorded either'}" if recorded is None else
+                "how this host's checkpoint was written is not recorded (a cached one from before it was: "
+                f"remove {found.path} to write it again)")
+    differ = recorded.differences(found.written)
+    if differ:
+        return "written differently: " + ", ".join(differ)
+    return (f"written the same way as far as recorded ({found.written.describe()}): the cause is not among "
+            "device, dtype and library versions (the GPU driver, or a nondeterministic initialisation kernel)")
 
 
 def weights_sha256(folder: Path) -> str:
@@ -93,14 +137,16 @@ def ensure_synthetic(config_path: Path, seed: int, logit_scale: float = 1.0, dty
     folder = (cache or cache_root() / "models") / f"synthetic-{key}"
     manifest = folder / MANIFEST
     if manifest.is_file():
-        return CheckpointInfo.model_validate_json(manifest.read_text())
+        return CheckpointInfo.model_validate_json(manifest.read_text()).model_copy(update={"cached": True})
+    written = writing_environment(device, dtype)
     staging = folder.with_name(folder.name + f".tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     started = time.time()
     params, margins = write_synthetic(config, staging, seed, knobs, dtype, device)
-    info = CheckpointInfo(path=folder, sha256=weights_sha256(staging), params=params, seed=seed, knobs=knobs,
-                          init_device=device,
-                          margins=margins, seconds=round(time.time() - started, 2))
+    sha256 = weights_sha256(staging)
+    info = CheckpointInfo(path=folder, sha256=sha256, params=params, seed=seed, knobs=knobs,
+                          init_device=device, margins=margins, seconds=round(time.time() - started, 2),
+                          written=written.model_copy(update={"sha256": sha256, "seed": seed}))
     (staging / MANIFEST).write_text(info.model_dump_json(indent=2))
     for file in staging.iterdir():
         file.chmod(0o644)  # sandboxed servers run as another user and only read

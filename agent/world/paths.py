@@ -6,4 +6,6 @@ from pathlib import Path
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("NIGHTSHIFT_CACHE", Path.home() / ".cache" / "nightshift"))
+    """The one rule for the cache's place, which every reader takes from here: `$NIGHTSHIFT_CACHE`, unless it is
+    unset or empty, else `~/.cache/nightshift` (as the shell scripts' `${NIGHTSHIFT_CACHE:-...}` read it)."""
+    return Path(os.environ.get("NIGHTSHIFT_CACHE") or Path.home() / ".cache" / "nightshift").expanduser()

@@ -14,6 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from agent.world.paths import cache_root
 from sandbox.base import ENV
 from traces.errors import NightshiftError
 
@@ -70,7 +71,7 @@ print(json.dumps({"env": sorted(vllm.envs.environment_variables), "fields": fiel
 def known_levers(version: str, nested: list[str], timeout_s: float = 300) -> dict:
     """What the installed vLLM offers: its serve flags, environment variables and the fields of the config
     flags in `nested`; cached per version in the nightshift cache."""
-    cache = Path(os.environ.get("NIGHTSHIFT_CACHE") or Path.home() / ".cache" / "nightshift") / f"levers-{version}.json"
+    cache = cache_root() / f"levers-{version}.json"
     if cache.is_file():
         known = json.loads(cache.read_text())
         if set(nested) <= set(known["asked"]):

@@ -137,6 +137,10 @@ class Acceptance(Strict):
     confirmations: int = Field(0, ge=0)
     """Independent benchmarks (fresh prompts, fresh warmup) a candidate that passed must also pass; the
     last one's estimate, free of the selection that picked the candidate, is the one recorded."""
+    estimator: Literal["trimmed-20", "mean-t"] = "trimmed-20"
+    """The location and interval the benchmark's rule reads (agent/stages/stats.py ESTIMATORS): the 20% trimmed
+    mean with Yuen's interval, which one slow pass cannot move, or the mean with a t interval (the former rule;
+    replay re-derives a run recorded without this setting by it). benchmarks/results/estimator-simulation.md."""
 
 
 class Audit(Strict):
@@ -253,19 +257,42 @@ class LlmProposer(Strict):
     kind: Literal["llm"] = "llm"
     base_url: str
     model: str
+    base_url_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """The name of an environment variable that, when set, holds the endpoint in place of `base_url` (one task file
+    for any endpoint: `NIGHTSHIFT_LLM_URL=https://... nightshift run ...`)."""
+    model_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """The same for `model`."""
     api_key_env: str | None = Field("OPENAI_API_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     """The name of the environment variable that holds the key; the key itself is never stored."""
     price: LlmPrice = Field(default_factory=LlmPrice)
-    temperature: float = Field(0.0, ge=0, le=2)
-    max_tokens: int = Field(2048, gt=0)
+    temperature: float | None = Field(0.0, ge=0, le=2)
+    """null: not sent, the endpoint's default (OpenAI's reasoning models refuse any other); nor raised on a retry."""
+    max_tokens: int | None = Field(2048, gt=0)
+    """The answer's cap, sent as `max_tokens`. Set this or `max_completion_tokens`, not both."""
+    max_completion_tokens: int | None = Field(None, gt=0)
+    """The answer's cap (reasoning tokens included) sent as `max_completion_tokens`, the field OpenAI's reasoning
+    models take instead of `max_tokens` (Anthropic's, Gemini's and vLLM's OpenAI-compatible endpoints take it too)."""
+    reasoning_effort: str | None = Field(None, pattern=r"^[a-z]+$")
+    """Sent as `reasoning_effort` when set (none, minimal, low, medium, high, xhigh: which ones, the endpoint says)."""
+    extra_body: dict[str, Any] = Field(default_factory=dict)
+    """Provider fields merged into every request's JSON body, as written (e.g. Anthropic's `thinking`, vLLM's
+    `chat_template_kwargs`, Gemini's `extra_body.google`). Never put a key here: the trace records it."""
     request_timeout_s: float = Field(120, gt=0)
-    max_retries: int = Field(4, ge=0, le=10)
+    """Idle timeout: the most seconds without a byte from the endpoint (before the answer starts, or between its
+    streamed chunks). A long answer that keeps streaming is never cut by it."""
+    answer_timeout_s: float | None = Field(None, gt=0)
+    """A cap on one streamed answer's whole duration; null (the default): none, only the idle timeout."""
+    max_retries: int | None = Field(None, ge=0, le=1000)
+    """Retries of a transient failure (429, 5xx, timeout, broken stream) per call; null (the default): retried
+    with growing backoff for as long as the run's wall clock (budget.wall_clock_s) lasts."""
     retry_backoff_s: float = Field(1.0, gt=0, le=60)
+    """The first pause before a retry; each next one doubles, up to retry_max_backoff_s."""
+    retry_max_backoff_s: float = Field(300, gt=0, le=3600)
     repair_turns: int = Field(1, ge=0, le=2)
     context_tokens: int = Field(12000, ge=1000)
     attempts_per_proposal: int = Field(3, ge=1, le=10)
     """LLM answers that may be invalid (unparseable, not applying, off-surface) before giving up; with tools,
-    conversations that may end without a proposal."""
+    conversations in a row that may end without a proposal (one ended by an outage is recorded and not counted)."""
     profile: bool = True
     tools: Literal["off", "native", "text"] = "off"
     """A conversation with read-only tools and a checking `propose` per proposal (agent/proposers/tools.py):
@@ -276,6 +303,38 @@ class LlmProposer(Strict):
     """With `tools: native`: `required` asks the endpoint to answer every turn with a tool call (vLLM constrains the
     decoding to the tools' JSON schemas), so a model that would write its call as prose or a JSON block cannot;
     `auto` lets it answer in text (such an answer is still read as a call when it holds one)."""
+
+    @model_validator(mode="after")
+    def _settings_work_together(self):
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and "max_tokens" in self.model_fields_set:
+                raise ValueError("set one of proposer.max_tokens or proposer.max_completion_tokens, not both (the "
+                                 "second is the first's newer name)")
+            self.max_tokens = None
+        elif self.max_tokens is None:
+            raise ValueError("set proposer.max_tokens or proposer.max_completion_tokens: the answer needs a cap")
+        field, answer = self.answer_field, self.answer_tokens
+        if answer >= self.context_tokens:
+            raise ValueError(
+                f"proposer.{field} ({answer}) is at or above proposer.context_tokens ({self.context_tokens}): the "
+                f"answer's room is part of the context, and the prompt needs the rest; raise "
+                f"proposer.context_tokens or lower proposer.{field}")
+        if self.tool_budget.tokens is not None and self.tools != "off" and self.tool_budget.tokens <= answer:
+            raise ValueError(
+                f"proposer.tool_budget.tokens ({self.tool_budget.tokens}) is at or below proposer.{field} "
+                f"({answer}): a conversation would end before its first turn")
+        if self.tool_choice == "required" and self.tools != "native":
+            raise ValueError(f"proposer.tool_choice 'required' needs proposer.tools 'native' (it is {self.tools!r})")
+        return self
+
+    @property
+    def answer_field(self) -> str:
+        """The request field that caps the answer: `max_tokens` or `max_completion_tokens`."""
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+
+    @property
+    def answer_tokens(self) -> int:
+        return int(self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens or 0)
 
 
 ProposerSpec = Annotated[Union[FlagsProposer, QueueProposer, LlmProposer], Field(discriminator="kind")]
@@ -308,6 +367,21 @@ class Task(Strict):
             outside = sorted(set(self.proposer.space) - set(self.edit_surface.engine_args))
             if outside:
                 raise ValueError(f"proposer.space searches {outside}, which edit_surface.engine_args does not allow")
+        return self
+
+    @model_validator(mode="after")
+    def _llm_fits_the_budget(self):
+        if not isinstance(self.proposer, LlmProposer):
+            return self
+        spec, tokens = self.proposer, self.budget.max_llm_tokens
+        if tokens is not None and tokens <= spec.answer_tokens:
+            raise ValueError(f"budget.max_llm_tokens ({tokens}) is at or below proposer.{spec.answer_field} "
+                             f"({spec.answer_tokens}): not one call would be made")
+        answer_usd = spec.answer_tokens * spec.price.output_per_mtok / 1e6
+        if self.budget.max_usd is not None and answer_usd > self.budget.max_usd:
+            raise ValueError(f"budget.max_usd (${self.budget.max_usd:g}) is below one answer's cap at proposer.price "
+                             f"(${answer_usd:.4f} for proposer.{spec.answer_field} {spec.answer_tokens}): not one "
+                             f"call would be made")
         return self
 
 
@@ -348,8 +422,36 @@ def parse_task(data: Any, source: str = "<task>", base: Path | None = None) -> T
     return _resolve_paths(task, base or Path.cwd())
 
 
-def load_task(path: Path) -> Task:
-    path = Path(path)
+DEFAULT_TASK = "gemma4-tiny-cpu"
+"""The built-in task `nightshift run` and `nightshift noise` take when given none."""
+
+
+def builtin_tasks() -> Path:
+    """The folder of the built-in tasks and their model configs (`models/`): the installed package's copy
+    (setup.py ships the project's `tasks/` folder as `agent/world/builtin_tasks`), else, in a source checkout,
+    the project's `tasks/` itself."""
+    here = Path(__file__).resolve().parent
+    installed = here / "builtin_tasks"
+    return installed if installed.is_dir() else here.parents[1] / "tasks"
+
+
+def find_task(task: str | Path) -> Path:
+    """The file a task argument names. A bare name (no folder, no .yaml) is a built-in task: `gemma4-tiny-cpu`
+    is builtin_tasks()/gemma4-tiny-cpu.yaml wherever nightshift is installed (a bare name that is no built-in task
+    but a file here is that file). Anything else is a path, as given."""
+    text = str(task)
+    if text and Path(text).name == text and Path(text).suffix not in (".yaml", ".yml"):
+        builtin = builtin_tasks() / f"{text}.yaml"
+        if builtin.is_file() or Path(text).is_file():
+            return builtin if builtin.is_file() else Path(text)
+        names = ", ".join(sorted(p.stem for p in builtin_tasks().glob("*.yaml")))
+        raise TaskError(f"no built-in task named {text!r} (built-in: {names}); a task file is named by its path")
+    return Path(task)
+
+
+def load_task(path: str | Path) -> Task:
+    """A task from its file, or a built-in task by name (find_task)."""
+    path = find_task(path)
     if not path.is_file():
         raise TaskError(f"task file not found: {path}")
     try:

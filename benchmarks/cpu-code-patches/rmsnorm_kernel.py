@@ -133,9 +133,11 @@ def install_overheads() -> None:
 
 
 def model_path() -> Path:
-    found = sorted((Path.home() / ".cache" / "nightshift" / "models").glob("synthetic-*"))
+    from agent.world.paths import cache_root
+
+    found = sorted((cache_root() / "models").glob("synthetic-*"))
     if not found:
-        raise SystemExit("no synthetic checkpoint under ~/.cache/nightshift/models: run `nightshift run` first")
+        raise SystemExit(f"no synthetic checkpoint under {cache_root() / 'models'}: run `nightshift run` first")
     return found[0]
 
 

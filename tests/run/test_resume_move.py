@@ -3,6 +3,7 @@ checkout, an empty NIGHTSHIFT_CACHE. The harness (tests/resume_driver.py, fake s
 packed, resumed elsewhere; there packed again while it runs, and resumed once more in a third place."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from agent.run.resume import check_resumable
 from sandbox.local import reap_servers
 
 from tests.run.test_resume import (CRASH_ENV, PATCHES, ROOT, VERSION, cli, fake_checkout, harness,  # noqa: F401
-                               start, task_file)
+                               start, task_file, write_task_file)
 from traces import read_trace
 
 
@@ -54,15 +55,27 @@ def reap_servers_under(root: Path) -> int:
     return sum(reap_servers(runs) for runs in root.glob("*/runs"))
 
 
-def test_a_run_killed_mid_candidate_moves_twice_and_finishes(task_file, fake_checkout, places, tmp_path):
+@pytest.fixture
+def own_queue(tmp_path_factory, fake_checkout, fake_model) -> Path:
+    """The crash suites' task with a patch folder of its own, which the test takes away."""
+    return write_task_file(tmp_path_factory, fake_checkout, fake_model, PATCHES)
+
+
+def test_a_run_killed_mid_candidate_moves_twice_and_finishes(own_queue, fake_checkout, places, tmp_path):
     host_a, host_b, host_c = places
-    run_a = start(task_file, host_a / "runs", "moving", crash="after:sample:1")  # killed mid-candidate
+    run_a = start(own_queue, host_a / "runs", "moving", crash="after:sample:1")  # killed mid-candidate
     assert (run_a / "harness").is_file()
     pack1 = tmp_path / "carried" / "run1.tgz"
     packed = cli("pack", str(run_a), str(pack1))
     assert packed.returncode == 0 and "has not finished" in packed.stdout, packed.stderr
     manifest = json.loads(tarfile.open(pack1).extractfile(f"{run_a.name}/manifest.json").read())
     assert manifest["harness_alive"] is False and manifest["run_dir"] == str(run_a)
+    # the queue's patches travel in the pack: the folder the task recorded is not on the other hosts
+    queue = Path(json.loads(own_queue.read_text())["proposer"]["patches"])
+    assert manifest["queue"] == str(queue)
+    assert sorted(n for n in manifest["files"] if n.startswith("queued-patches/")) == \
+        sorted(f"queued-patches/{name}" for name in PATCHES)
+    shutil.rmtree(queue)
 
     # Host B: another runs folder, checkout and cache. The harness goes on from the pack; it is packed while it
     # runs, the live pack refused beside it on this host, then the harness is killed.
@@ -107,6 +120,11 @@ def test_a_run_killed_mid_candidate_moves_twice_and_finishes(task_file, fake_che
         (str(run_b), str(checkout_b), str(run_c), str(checkout_c))
     assert second.from_cache == str(host_b / "cache") and second.to_cache == str(host_c / "cache")
     assert second.packed_live and second.pack == str(pack2)
+    # each host read the queue the pack carried, and host B's pack carried it on
+    assert (first.queue, second.queue) == (str(run_b / "queued-patches"), str(run_c / "queued-patches"))
+    assert "queued patches from" in resumed.stdout
+    for name, text in PATCHES.items():
+        assert (run_c / "queued-patches" / name).read_text() == text
     assert [m.candidate for m in marks] == [1, first_in_flight(records, marks[1])]
     assert [m.reaped for m in marks] == [0, 0]  # nothing of the other hosts' is killed here
     # the budget counts across the three places: three candidates in all, each decided once
