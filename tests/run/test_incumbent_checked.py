@@ -16,7 +16,8 @@ from agent.replay.evidence import check_decisions
 from tests.stand_in import decisions, mode, new_file_patch
 from traces import TraceError, read_trace
 
-pytestmark = [pytest.mark.serial, pytest.mark.slow]  # keeps are measured speed; each a fake run of 30-90 s
+pytestmark = [pytest.mark.paced, pytest.mark.slow]  # paced: keeps are measured speed of fake servers far apart; each a
+# fake run of 30-90 s
 
 CPU_RATE = 0.035
 
