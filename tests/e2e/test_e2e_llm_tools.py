@@ -4,7 +4,14 @@ OpenAI-compatible server drive the real loop on the CPU task (real servers, pari
 The expert explores the real tree (list, grep, read), proposes an identity edit, reads the harness's answer and
 proposes the fix, a whole-method replacement in Gemma 4's decoder layer: it builds, is imported by the server,
 passes parity and the audit, and is judged on its speedup and interval. The adversary's change is right alone and
-wrong in batches: it passes parity (one request at a time) and is rejected at the audit."""
+wrong in batches: it passes parity (one request at a time) and is rejected at the audit.
+
+The run is also the CPU task end to end in containers (`sandbox.backend: docker`): every server of it is a container
+of the sandbox image, so this one run carries what two runs did. Needs a Docker engine and the image
+(scripts/docker-engine.sh, scripts/docker-image.sh), as tests/sandbox/test_docker_sandbox.py does."""
+import json
+import os
+
 import pytest
 
 from agent.replay.chain import audit
@@ -18,11 +25,25 @@ from agent.run.setup import prepare_run
 from agent.world.task import load_task, with_overrides
 from traces import read_trace
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3000)]
+pytestmark = [pytest.mark.vllm, pytest.mark.docker, pytest.mark.timeout(3000)]
+IMAGE = os.environ.get("NIGHTSHIFT_SANDBOX_IMAGE", "nightshift-sandbox:cpu")
 
 
 @pytest.fixture(scope="module")
-def scripted_run(tmp_path_factory, vllm_checkout):
+def engine():
+    from sandbox.docker_backend import DockerUnavailable, connect
+
+    try:
+        client = connect()
+    except DockerUnavailable as exc:
+        pytest.skip(str(exc))
+    if not client.images.list(name=IMAGE):
+        pytest.fail(f"the sandbox image {IMAGE} is missing: build it with scripts/docker-image.sh")
+    return client
+
+
+@pytest.fixture(scope="module")
+def scripted_run(tmp_path_factory, vllm_checkout, engine):
     script = numbered(gemma4_expert((vllm_checkout / GEMMA4).read_text()) + gemma4_adversary())
     with FakeOpenAI(script=script) as server:
         task = load_task(ROOT / "tasks" / "gemma4-tiny-cpu.yaml")
@@ -33,14 +54,17 @@ def scripted_run(tmp_path_factory, vllm_checkout):
                               parity={"num_prompts": 8},  # the task's 64 are tested in tests/run/test_loop_judgement.py
                               proposer={"kind": "llm", "base_url": server.base_url, "model": "scripted-expert",
                                         "api_key_env": None, "profile": False, "tools": "native",
-                                        "request_timeout_s": 30, "max_retries": 0, "repair_turns": 0})
+                                        "request_timeout_s": 30, "max_retries": 0, "repair_turns": 0},
+                              sandbox={"backend": "docker", "image": IMAGE, "memory_gb": 8, "tmpfs_mb": 2048})
         setup = prepare_run(task, tmp_path_factory.mktemp("llm-tools") / "runs")
-        finished = Loop(setup, LlmProposer.from_task(task)).run()
-    return setup, finished, read_trace(setup.run_dir / "trace.jsonl")
+        loop = Loop(setup, LlmProposer.from_task(task))
+        backend = type(loop.pool.sandbox).__name__
+        finished = loop.run()
+    return setup, finished, read_trace(setup.run_dir / "trace.jsonl"), backend
 
 
 def test_the_scripted_expert_fixes_its_mistake_and_its_patch_is_judged(scripted_run):
-    setup, finished, records = scripted_run
+    setup, finished, records, _ = scripted_run
     calls = [e for e in events(records, "tool_call") if e.candidate == 1]
     assert [c.name for c in calls] == ["list_dir", "grep", "read_file", "propose", "propose"]
     assert "gemma4.py (" in calls[0].result and "layer_scalar" in calls[1].result
@@ -60,7 +84,7 @@ def test_the_scripted_expert_fixes_its_mistake_and_its_patch_is_judged(scripted_
 
 
 def test_the_scripted_adversary_right_alone_wrong_in_batches_is_rejected_at_the_audit(scripted_run):
-    setup, finished, records = scripted_run
+    setup, finished, records, _ = scripted_run
     decision = next(d for d in events(records, "decision") if d.candidate == 2)
     parity = next(p for p in events(records, "parity") if p.candidate == 2)
     assert parity.ok, "the adversary must pass parity for this test to mean anything"
@@ -68,3 +92,17 @@ def test_the_scripted_adversary_right_alone_wrong_in_batches_is_rejected_at_the_
     entry = next(e for e in events(records, "notebook") if e.candidate == 2)
     assert entry.divergence and "right alone, wrong in a batch" in entry.learned
     assert audit(setup.run_dir).commits == finished.kept
+
+
+def test_every_server_of_the_run_was_a_container_and_none_is_left(scripted_run, engine):
+    """The CPU task end to end in containers: the baseline phase and both candidates served by the sandbox image,
+    the import log read across the socket folder, and no container of the run left behind."""
+    setup, finished, records, backend = scripted_run
+    assert backend == "DockerSandbox"
+    assert [e.ok for e in events(records, "self_parity")] == [True]
+    assert finished.candidates == 2
+    for bench in events(records, "benchmark"):
+        assert bench.liveness.imported_vllm_modules > 100  # the import log crossed the socket folder
+    starts = [json.loads(line) for line in (setup.run_dir / "server_starts.jsonl").read_text().splitlines()]
+    assert starts and {s["backend"] for s in starts} == {"docker"}, starts
+    assert not engine.containers.list(all=True, filters={"label": f"nightshift.run={setup.run_dir.name}"})

@@ -290,36 +290,3 @@ def test_real_vllm_serves_a_greedy_completion_in_the_container(engine, vllm_tree
     finally:
         local.stop()
     assert same["choices"][0]["token_ids"] == choice["token_ids"], "the container changed the greedy output"
-
-
-@pytest.mark.vllm
-@pytest.mark.timeout(1800)
-def test_cpu_task_runs_end_to_end_in_containers(engine, tmp_path, vllm_checkout, nightshift_cache):
-    """The built-in CPU task with `sandbox.backend: docker`: every server of the run is a container."""
-    from agent.run.loop import Loop
-    from agent.proposers import make_proposer
-    from agent.run.setup import prepare_run
-    from agent.world.task import load_task, with_overrides
-    from sandbox.docker_backend import DockerSandbox as Backend
-    from traces import read_trace
-
-    task = with_overrides(load_task(ROOT / "tasks" / "gemma4-tiny-cpu.yaml"),
-                          target={"checkout": str(vllm_checkout)},
-                          sandbox={"backend": "docker", "image": IMAGE, "memory_gb": 8, "tmpfs_mb": 2048},
-                          proposer={"kind": "flags", "seed": 0, "space": {"max_num_seqs": [32]}},
-                          budget={"max_candidates": 1},  # and a small workload: this checks plumbing, not speed
-                          workload={"num_prompts": 8, "input_len": 32, "output_len": 16},
-                          parity={"num_prompts": 4}, benchmark={"repetitions": 2, "warmup_requests": 1})
-    setup = prepare_run(task, tmp_path / "runs")
-    loop = Loop(setup, make_proposer(task))
-    assert isinstance(loop.pool.sandbox, Backend)
-    finished = loop.run()
-    records = [r.event for r in read_trace(setup.run_dir / "trace.jsonl")]
-    kinds = [e.kind for e in records]
-    assert [e.ok for e in records if e.kind == "self_parity"] == [True]
-    [decision] = [e for e in records if e.kind == "decision"]
-    assert decision.stage not in ("start", "parity", "liveness"), decision.reason
-    bench = next(e for e in records if e.kind == "benchmark")
-    assert bench.liveness.imported_vllm_modules > 100  # the import log crossed the socket folder
-    assert finished.candidates == 1, kinds
-    assert not engine.containers.list(all=True, filters={"label": f"nightshift.run={setup.run_dir.name}"})
