@@ -609,6 +609,22 @@ class Reverted(Event):
     event_sha256: str
 
 
+class DuplicateDropped(Event):
+    """A proposal dropped unevaluated: the same patch and serving flags as a candidate still in flight (a parallel
+    run asks its proposer again, at most five times per idle worker). It takes no candidate number: `candidate` is
+    the number the next proposal gets."""
+    kind: Literal["duplicate_dropped"] = "duplicate_dropped"
+    candidate: int = 0
+    duplicate_of: int = 0
+    """The candidate in flight with the same patch and flags."""
+    proposer: str = ""
+    summary: str = ""
+    meta: dict[str, Any] = Field(default_factory=dict)
+    """The dropped proposal's `meta` (a queued patch's file, say): a resumed proposer takes it as proposed."""
+    patch_sha256: str = ""
+    """sha256 of the patch and its serving flags (the key that matched)."""
+
+
 class RunFinished(Event):
     kind: Literal["run_finished"] = "run_finished"
     reason: str
@@ -629,7 +645,7 @@ AnyEvent = Annotated[
         RunStarted, SelfParity, Proposal, PatchApplied, Build, ParityReport, SampleTaken, BenchReport, TokenAudit,
         Decision,
         Commit, LlmCall, ToolCall, NotebookEntry, ProposalInvalid, NoiseFloor, Resumed, Remeasured, IncumbentRestarted,
-        IncumbentReverted, Reverted, RunFinished,
+        IncumbentReverted, Reverted, DuplicateDropped, RunFinished,
     ],
     Field(discriminator="kind"),
 ]

@@ -5,7 +5,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, SerializeAsAny, ValidationError,
+                      model_validator)
 
 from sandbox.config import SandboxConfig
 from traces.errors import NightshiftError
@@ -337,7 +338,19 @@ class LlmProposer(Strict):
         return int(self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens or 0)
 
 
-ProposerSpec = Annotated[Union[FlagsProposer, QueueProposer, LlmProposer], Field(discriminator="kind")]
+def _proposer_section(value):
+    """The `proposer` section, validated by the model its kind registered (agent/extensions.py)."""
+    if isinstance(value, BaseModel):
+        return value
+    if not isinstance(value, dict) or not isinstance(value.get("kind"), str):
+        raise ValueError("proposer: a mapping with a `kind` (a registered proposer kind)")
+    from agent.extensions import PROPOSERS
+
+    return PROPOSERS.get(value["kind"]).spec_model().model_validate(value)
+
+
+ProposerSpec = Annotated[SerializeAsAny[BaseModel], BeforeValidator(_proposer_section)]
+"""flags, queue, llm (below), or a kind a file registers (agent/extensions.py)."""
 
 
 Sandbox = SandboxConfig
