@@ -134,13 +134,17 @@ def _check_audit(event: TokenAudit, line: int, rule: Audit, acceptance: Acceptan
         raise TraceError(line, f"{where}: judged after an A/A that should have refused the run: {refusal}")
     args = (rule.hard_bound_nats, rule.rate_ratio, acceptance.confidence)
     aa = calibration.side if calibration else None
+    weighed = recorded.magnitude_p_value is not None  # traces from before the magnitude test replay without it
     control = event.control
     if event.control_verdict is not None:
         _check_verdict(event.control_verdict, _invalid(event, "control", line, where)
-                       or judge(event.control, None, aa, *args), f"{where}, its control", line)
+                       or judge(event.control, None, aa, *args,
+                                magnitude=event.control_verdict.magnitude_p_value is not None),
+                       f"{where}, its control", line)
         if not event.control_verdict.passed:
             control = None  # a control that fails its own audit is no reference for the candidate
-    _check_verdict(recorded, _invalid(event, "candidate", line, where) or judge(side, control, aa, *args), where, line)
+    _check_verdict(recorded, _invalid(event, "candidate", line, where)
+                   or judge(side, control, aa, *args, magnitude=weighed), where, line)
 
 
 def _invalid(event: TokenAudit, side: str, line: int, where: str):
@@ -162,7 +166,9 @@ def _invalid(event: TokenAudit, side: str, line: int, where: str):
 def _check_verdict(recorded, derived, where: str, line: int) -> None:
     if (recorded.passed, recorded.test, recorded.reference) != (derived.passed, derived.test, derived.reference) \
             or not (_close(recorded.rate_p_value, derived.rate_p_value)
-                    and _close(recorded.concentration_p_value, derived.concentration_p_value)):
+                    and _close(recorded.concentration_p_value, derived.concentration_p_value)) \
+            or (derived.magnitude_p_value is not None and not _close(recorded.magnitude_p_value,
+                                                                   derived.magnitude_p_value)):
         raise TraceError(line, f"{where}: recorded verdict '{recorded.test}' (rate p={recorded.rate_p_value:.4g}, "
                                f"concentration p={recorded.concentration_p_value:.4g}) does not follow from its "
                                f"deficits and the rule: '{derived.test}' (rate p={derived.rate_p_value:.4g}, "

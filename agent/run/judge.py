@@ -116,7 +116,12 @@ class Judge:
             self.emit(report)
             if not report.ok:
                 d = report.divergence
-                raise Rejected("parity", f"prompt {d.prompt_index} diverges at token {d.position}: expected "
+                where = "long request" if report.long_divergence is not None else "prompt"
+                if report.long_divergence is not None:
+                    shape = report.long_requests[d.prompt_index]
+                    where = (f"long request ({shape.input_len} + {shape.max_tokens} tokens"
+                             f"{', production stops' if shape.production else ''})")
+                raise Rejected("parity", f"{where} {d.prompt_index} diverges at token {d.position}: expected "
                                          f"{d.expected}, got {d.got} ({d.got_len}/{d.expected_len} tokens)")
             production = started(starting, len(requests) - 1)
         except BaseException:

@@ -87,6 +87,14 @@ class Parity(Strict):
     max_tokens: int = Field(gt=0)
     regime: Literal["sequential", "one_batch"] = "sequential"
     """sequential: one request at a time on both sides, so batches are identical."""
+    long_prompts: int = Field(4, ge=0)
+    """Long requests after the short prompts, one at a time, non-streamed (agent/stages/parity.py check_long): the
+    first reaches the benchmark's longest request plus its output and the verify grid's longest, up to
+    model.max_model_len; the others reach a length drawn per check from a seed the trace records; the second (and
+    `long_production_share` of the rest) honours EOS and a stop token as production requests do. 0: none."""
+    long_production_share: float = Field(0.5, ge=0, le=1)
+    long_reach: int | None = Field(None, gt=1)
+    """A cap on how far the long requests reach (unset: as far as the task serves)."""
     margin_prompts: int = Field(16, ge=0)
     """After self-parity, this many prompts (0: none) measure the reference's top-1/top-2 margins."""
     env: dict[str, str] = Field(default_factory=dict)
@@ -138,6 +146,14 @@ class Acceptance(Strict):
     confirmations: int = Field(0, ge=0)
     """Independent benchmarks (fresh prompts, fresh warmup) a candidate that passed must also pass; the
     last one's estimate, free of the selection that picked the candidate, is the one recorded."""
+    night_alpha: float | None = Field(None, gt=0, lt=0.5)
+    """One error budget for the night: the chance of any false keep over the whole run, at most this. Candidate k
+    (counting every first benchmark, a resumed run's included) is tested one-sided at night_alpha x 6 / (pi k)^2,
+    so the sum over any number of candidates stays below night_alpha; each share is recorded (`error_spent`) before
+    its benchmark, and replay re-derives it. Unset: every candidate at `confidence`, and the night unbounded."""
+    null_every: int = Field(10, ge=0)
+    """With night_alpha: every this many candidates, the incumbent is benchmarked against itself at the gate's
+    current level (`null_check`): a keep there is a false keep on a null. 0: none."""
     estimator: Literal["trimmed-20", "mean-t"] = "trimmed-20"
     """The location and interval the benchmark's rule reads (agent/stages/stats.py ESTIMATORS): the 20% trimmed
     mean with Yuen's interval, which one slow pass cannot move, or the mean with a t interval (the former rule;
