@@ -498,6 +498,23 @@ class ProposalInvalid(Event):
     reason: str
 
 
+class ErrorSpent(Event):
+    """One candidate's share of the night's error budget (acceptance.night_alpha), written before its benchmark so
+    that a resumed run goes on counting from the trace (agent/run/budget.py); replay re-derives it."""
+
+    kind: Literal["error_spent"] = "error_spent"
+    candidate: int
+    index: int
+    """1 for the first measurement of the run, counting every candidate's first benchmark, resumed runs included."""
+    alpha: float
+    """The one-sided level this candidate is tested at: night_alpha x 6 / (pi index)^2."""
+    spent: float
+    """The budget spent through this candidate; never above night_alpha."""
+    night_alpha: float
+    confidence: float
+    """The interval's level its benchmark used: 1 - 2 alpha."""
+
+
 class NoiseFloor(Event):
     """The A/A before the first candidate: the baseline's production server against an independently started
     copy of itself, interleaved as a candidate would be (agent/stages/noise.py)."""
@@ -677,7 +694,7 @@ AnyEvent = Annotated[
         RunStarted, SelfParity, Proposal, PatchApplied, Build, ParityReport, SampleTaken, BenchReport, TokenAudit,
         Decision,
         Commit, LlmCall, ToolCall, NotebookEntry, ProposalInvalid, NoiseFloor, Resumed, Remeasured, IncumbentRestarted,
-        IncumbentReverted, Reverted, DuplicateDropped, RunFinished,
+        IncumbentReverted, Reverted, DuplicateDropped, RunFinished, ErrorSpent,
     ],
     Field(discriminator="kind"),
 ]
