@@ -228,6 +228,16 @@ class EditSurface(Strict):
     exclude: list[str] = Field(default_factory=list)
     engine_args: list[str] = Field(default_factory=list)
     """Engine args a candidate may change from the baseline."""
+    engine_values: dict[str, list[Scalar]] = Field(default_factory=dict)
+    """The values an engine arg of `engine_args` may take, where the task limits them (the LLM proposer's
+    `propose` refuses others); an arg not named here takes a value of its baseline's type, or null."""
+
+    @model_validator(mode="after")
+    def _values_of_levers(self):
+        outside = sorted(set(self.engine_values) - set(self.engine_args))
+        if outside:
+            raise ValueError(f"edit_surface.engine_values names {outside}, which engine_args does not allow")
+        return self
 
 
 class Budget(Strict):
@@ -316,6 +326,9 @@ class LlmProposer(Strict):
     `native` through the OpenAI tools API, `text` through a line protocol for endpoints without tools; `off`: one
     prompt of excerpts, one answer of edit blocks."""
     tool_budget: ToolBudget = Field(default_factory=ToolBudget)
+    import_timeout_s: float = Field(60, ge=0)
+    """`propose` imports the changed modules of a candidate tree on the host, in a subprocess cut after this long
+    (0: no import check; names are still checked)."""
     tool_choice: Literal["auto", "required"] = "auto"
     """With `tools: native`: `required` asks the endpoint to answer every turn with a tool call (vLLM constrains the
     decoding to the tools' JSON schemas), so a model that would write its call as prose or a JSON block cannot;
