@@ -126,6 +126,12 @@ class Server(Protocol):
 
 
 class Sandbox(Protocol):
+    """A backend; registered by name in sandbox/registry.py, made as Backend(config, run_dir)."""
+
+    @classmethod
+    def probe(cls, config) -> None:
+        """Raises (a NightshiftError) where this host cannot run the backend; called before a run writes anything."""
+
     def start(self, spec: ServerSpec, cancel: threading.Event | None = None) -> Server:
         """Start a server and wait until it answers; raises SandboxError(timeout|oom|crash), or
         SandboxError(cancelled) once `cancel` is set while it waits (the server killed and removed)."""

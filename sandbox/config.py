@@ -3,12 +3,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class SandboxConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    backend: Literal["local", "docker", "namespace"] = "local"
+    backend: str = "local"
+    """A registered backend (sandbox/registry.py): local, docker, namespace, or one a file registers."""
     image: str = "nightshift-sandbox:cpu"
     gpus: list[int] = Field(default_factory=list)
     memory_gb: float = Field(8, gt=0)
@@ -26,3 +27,11 @@ class SandboxConfig(BaseModel):
     """A Ray cluster to connect to (else RAY_ADDRESS, else a local Ray instance on this host)."""
     gpu_resource: str = "GPU"
     """The Ray resource a worker holds per GPU (a custom resource name for a cluster that labels GPUs so)."""
+
+    @field_validator("backend")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        from sandbox.registry import BACKENDS
+
+        BACKENDS.get(name)  # raises ValueError with the names registered
+        return name

@@ -134,6 +134,11 @@ class DockerServer(Reachable):
 
 
 class DockerSandbox:
+    @classmethod
+    def probe(cls, config: SandboxConfig | None = None) -> None:
+        """An engine that answers; raises DockerUnavailable."""
+        connect().close()
+
     def __init__(self, config: SandboxConfig | None = None, run_dir: Path | None = None):
         self.config = config or SandboxConfig(backend="docker")
         self.run_dir = Path(run_dir or Path.cwd()).resolve()

@@ -103,6 +103,10 @@ def _kill_group(process: subprocess.Popen, grace_s: float) -> None:
 
 
 class LocalSandbox:
+    @classmethod
+    def probe(cls, config: SandboxConfig | None = None) -> None:
+        """Servers run as this user's processes: nothing to check."""
+
     def __init__(self, config: SandboxConfig | None = None, run_dir: Path | None = None):
         self.config = config
         self.root = Path(run_dir or Path.cwd()) / "servers"

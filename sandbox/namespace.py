@@ -276,6 +276,11 @@ class NamespaceServer(Reachable):
 
 
 class NamespaceSandbox:
+    @classmethod
+    def probe(cls, config: SandboxConfig | None = None) -> None:
+        """Raises NamespaceUnavailable where unshare cannot make the namespaces."""
+        probe()
+
     def __init__(self, config: SandboxConfig | None = None, run_dir: Path | None = None,
                  limits: cgroups.Limits | None = None):
         self.config = config or SandboxConfig(backend="namespace")

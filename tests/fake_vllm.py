@@ -24,6 +24,11 @@ patch can turn it into a faster, cheating or nondeterministic candidate:
   poison  - exact, but every `poison_every`-th (64) request it serves crowded carries `poison_token` (any JSON value;
             262144, outside the vocabulary) at position `poison_at` (the middle) of its stream: output the reference
             cannot score, now and then under load
+Any mode may set `wrong_past: N`: every token it generates at a sequence position >= N (prompt included) is wrong
+(a change wrong only on requests longer than the checks used to reach), and `ignores_stop: true`: it generates on
+past a request's `stop_token_ids` and EOS (token 2, the model's EOS, where the request does not set ignore_eos).
+Every server returns EOS where a prefix's top-1 says so (top1 % 97 == 0 on a prompt longer than 8), and obeys
+`stop_token_ids` and `ignore_eos` in non-streamed requests, as vLLM does.
 Any mode may set `wrong_after: N`: once the server has served N completions, every token it returns is wrong (a kept
 change exact through its own benchmark and confirmation that turns wrong later).
 Every server answers HTTP 400 to a prompt holding an id that is not an integer in [0, 4096) (the vocabulary), as
@@ -195,8 +200,11 @@ def refusal(prompt) -> str:
     return f"Token id {bad} is out of vocabulary" if bad is not None else ""
 
 
+EOS = 2
+
+
 def next_token(prefix: list[int], crowded: bool, picked: bool = False) -> int:
-    if gone_wrong:
+    if gone_wrong or len(prefix) >= config.get("wrong_past", 1 << 30):
         return 4 + (top1(prefix) + 7) % 4090
     if picked:  # only ever a crowded request
         return 4 + (top1(prefix) + 7) % 4090 if config["mode"] == "sparse" else top1(prefix) + 1
@@ -214,11 +222,15 @@ def next_token(prefix: list[int], crowded: bool, picked: bool = False) -> int:
     return top1(prefix)
 
 
-def generate(prompt: list[int], count: int, crowded: bool, picked: bool = False):
+def generate(prompt: list[int], count: int, crowded: bool, picked: bool = False, stops=()):
     prefix = list(prompt)
     for _ in range(count):
         token = next_token(prefix, crowded, picked)
+        if stops and len(prefix) > 8 and top1(prefix) % 97 == 0 and EOS in stops:
+            token = EOS
         yield prefix[:], token
+        if token in stops and not config.get("ignores_stop"):
+            return
         prefix.append(token)
 
 
@@ -303,7 +315,8 @@ class Handler(BaseHTTPRequestHandler):
         self.close_connection = True
 
     def answer_whole(self, body: dict, count: int, crowded: bool, picked: bool = False):
-        steps = list(generate(body["prompt"], count, crowded, picked))
+        stops = set(body.get("stop_token_ids") or []) | (set() if body.get("ignore_eos") else {EOS})
+        steps = list(generate(body["prompt"], count, crowded, picked, stops))
         choice = {"index": 0, "text": "", "token_ids": [t for _, t in steps]}
         if body.get("logprobs"):
             choice["logprobs"] = {"top_logprobs": [

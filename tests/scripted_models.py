@@ -43,12 +43,11 @@ def sampler_expert() -> list[dict[str, Any]]:
 
 
 GEMMA4 = "vllm/model_executor/models/gemma4.py"
-UNIT_SCALAR = """        # A layer scalar of exactly 1 (checked once, after the weights are loaded) leaves every value as it is:
-        # skip the multiply and its allocation on every layer of every step.
-        unit = self.__dict__.get("_unit_layer_scalar")
-        if unit is None:
-            unit = self.__dict__["_unit_layer_scalar"] = bool((self.layer_scalar == 1).all())
-        if not unit:
+IN_PLACE_SCALAR = """        # The sum above is a fresh tensor of this layer's own: scale it in place (the same product for any scalar,
+        # one allocation fewer on every layer of every step); a scalar of another dtype keeps the promoting product.
+        if hidden_states.dtype == self.layer_scalar.dtype:
+            hidden_states.mul_(self.layer_scalar)
+        else:
             hidden_states = hidden_states * self.layer_scalar
 """
 SCALED = "        hidden_states = hidden_states * self.layer_scalar\n"
@@ -56,7 +55,8 @@ SCALED = "        hidden_states = hidden_states * self.layer_scalar\n"
 
 def gemma4_expert(source: str) -> list[dict[str, Any]]:
     """The real vLLM tree: list the models, grep for the layer scalar, read the decoder layer's forward, propose an
-    identity edit (the mistake a weak model makes; the harness names it), then the whole method replaced."""
+    identity edit (the mistake a weak model makes; the harness names it), then the whole method replaced: the layer
+    scalar's product taken in place, exact for any weights (no shortcut for a scalar that happens to be 1)."""
     from agent.proposers.edits import find_definition
 
     node = find_definition(source, "Gemma4DecoderLayer.forward")
@@ -64,18 +64,20 @@ def gemma4_expert(source: str) -> list[dict[str, Any]]:
     lines = source.splitlines(keepends=True)
     method = "".join(lines[node.lineno - 1:node.end_lineno])
     assert method.count(SCALED) == 1
-    hypothesis = ("every decoder layer multiplies its output by layer_scalar; x * 1 is x exactly, so when the "
-                  "scalar is 1 the multiply is pure overhead on each of the layers at every step")
+    hypothesis = ("every decoder layer multiplies its output by layer_scalar into a new tensor; the output is a fresh "
+                  "sum owned by the layer, so the same product taken in place gives the same values for any scalar "
+                  "and saves an allocation on each of the layers at every step")
     return [
         turn(call("list_dir", path="vllm/model_executor/models")),
         turn(call("grep", pattern="layer_scalar", path=GEMMA4)),
         turn(call("read_file", path=GEMMA4, start=node.lineno, end=node.end_lineno)),
-        turn(call("propose", summary="skip the unit layer scalar", hypothesis=hypothesis, plan="a new hot spot",
+        turn(call("propose", summary="scale by the layer scalar in place", hypothesis=hypothesis,
+                  plan="a new hot spot",
                   edits=[{"path": GEMMA4, "search": SCALED, "replace": SCALED}])),
-        turn(call("propose", summary="skip the multiply by a unit layer scalar in every Gemma 4 decoder layer",
+        turn(call("propose", summary="the layer scalar's product in place in every Gemma 4 decoder layer",
                   hypothesis=hypothesis, plan="a new hot spot",
                   functions=[{"path": GEMMA4, "name": "Gemma4DecoderLayer.forward",
-                              "code": method.replace(SCALED, UNIT_SCALAR)}])),
+                              "code": method.replace(SCALED, IN_PLACE_SCALAR)}])),
     ]
 
 

@@ -137,6 +137,17 @@ class Divergence(BaseModel):
     got_len: int
 
 
+class LongRequest(BaseModel):
+    """One of parity's long requests (agent/stages/parity.py check_long): its shape, drawn per check."""
+
+    input_len: int
+    max_tokens: int
+    production: bool = False
+    """EOS honoured and `stop_token_ids` set (drawn from the reference's own answer), as production requests are;
+    otherwise EOS is ignored and exactly max_tokens come back."""
+    stop_token_ids: list[int] = Field(default_factory=list)
+
+
 class ParityReport(Event):
     kind: Literal["parity"] = "parity"
     candidate: int
@@ -146,6 +157,14 @@ class ParityReport(Event):
     tokens_per_prompt: int
     digest: str
     divergence: Divergence | None = None
+    long_seed: int | None = None
+    """The seed the long requests' shapes and prompts were drawn with (absent: a trace from before them)."""
+    long_reach: int | None = None
+    """Positions (prompt plus output) the longest request reached: the benchmark's and verify grid's longest, up to
+    max_model_len."""
+    long_requests: list[LongRequest] = Field(default_factory=list)
+    long_divergence: Divergence | None = None
+    """The first long request whose tokens or finish reason differ; its position counts from the prompt's start."""
 
 
 class GpuPass(BaseModel):
@@ -309,7 +328,7 @@ class AuditVerdict(BaseModel):
     position, then the candidate's rate of non-top-1 tokens against the honest rate measured beside it."""
 
     passed: bool
-    test: Literal["pass", "hard_bound", "rate", "concentration", "invalid"]
+    test: Literal["pass", "hard_bound", "rate", "concentration", "magnitude", "invalid"]
     """The first part of the rule that rejected, or `pass`; `invalid`: outputs the reference cannot score (ids outside
     the vocabulary, a wrong count of tokens, a malformed answer, or tokens the reference refused while it answered
     the harness's own prompt), listed in the audit's `invalid`."""
@@ -330,6 +349,9 @@ class AuditVerdict(BaseModel):
     concentration_p_value: float
     """Bonferroni over requests: the most non-top-1 positions in one request against Binomial(its tokens,
     rate_ratio x the reference rate, floored at one position per request)."""
+    magnitude_p_value: float | None = None
+    """Exact, under exchangeability with the honest deficits (the control's and the A/A's, pooled): P(the j largest
+    of all deficits are all the candidate's), j its deficits above every honest one. None: a trace from before it."""
 
 
 class InvalidOutput(BaseModel):
@@ -426,6 +448,12 @@ class LlmCall(Event):
     message: dict[str, Any] | None = None
     """The assistant message as the endpoint streamed it, provider fields included (e.g. a tool call's
     `extra_content`), which the next turn sends back verbatim; None in traces written before it was kept."""
+    prefix: int = 0
+    """How many of the request's messages are the previous `llm_call`'s (its request as rebuilt); `messages` holds
+    only those after them. 0: `messages` is the whole request (every trace written before deltas)."""
+    elided: list[int] = Field(default_factory=list)
+    """Indexes among the `prefix` messages whose content was replaced by the elision placeholder since the previous
+    call (agent/proposers/tools.py ELIDED)."""
 
 
 class ToolCall(Event):
@@ -456,14 +484,35 @@ class NotebookEntry(Event):
     ci_low: float | None = None
     ci_high: float | None = None
     learned: str = ""
+    """The outcome as the harness states it (stage, numbers); what it teaches is the model's `reflection`."""
     divergence: str = ""
     """From a parity or audit failure: where the tokens diverged."""
+    reflection: str = ""
+    """What the candidate's result teaches, written by the model in a later turn (propose's `reflection`); an entry
+    written again with it replaces the earlier one of the same candidate."""
 
 
 class ProposalInvalid(Event):
     kind: Literal["proposal_invalid"] = "proposal_invalid"
     candidate: int
     reason: str
+
+
+class ErrorSpent(Event):
+    """One candidate's share of the night's error budget (acceptance.night_alpha), written before its benchmark so
+    that a resumed run goes on counting from the trace (agent/run/budget.py); replay re-derives it."""
+
+    kind: Literal["error_spent"] = "error_spent"
+    candidate: int
+    index: int
+    """1 for the first measurement of the run, counting every candidate's first benchmark, resumed runs included."""
+    alpha: float
+    """The one-sided level this candidate is tested at: night_alpha x 6 / (pi index)^2."""
+    spent: float
+    """The budget spent through this candidate; never above night_alpha."""
+    night_alpha: float
+    confidence: float
+    """The interval's level its benchmark used: 1 - 2 alpha."""
 
 
 class NoiseFloor(Event):
@@ -609,6 +658,22 @@ class Reverted(Event):
     event_sha256: str
 
 
+class DuplicateDropped(Event):
+    """A proposal dropped unevaluated: the same patch and serving flags as a candidate still in flight (a parallel
+    run asks its proposer again, at most five times per idle worker). It takes no candidate number: `candidate` is
+    the number the next proposal gets."""
+    kind: Literal["duplicate_dropped"] = "duplicate_dropped"
+    candidate: int = 0
+    duplicate_of: int = 0
+    """The candidate in flight with the same patch and flags."""
+    proposer: str = ""
+    summary: str = ""
+    meta: dict[str, Any] = Field(default_factory=dict)
+    """The dropped proposal's `meta` (a queued patch's file, say): a resumed proposer takes it as proposed."""
+    patch_sha256: str = ""
+    """sha256 of the patch and its serving flags (the key that matched)."""
+
+
 class RunFinished(Event):
     kind: Literal["run_finished"] = "run_finished"
     reason: str
@@ -629,7 +694,7 @@ AnyEvent = Annotated[
         RunStarted, SelfParity, Proposal, PatchApplied, Build, ParityReport, SampleTaken, BenchReport, TokenAudit,
         Decision,
         Commit, LlmCall, ToolCall, NotebookEntry, ProposalInvalid, NoiseFloor, Resumed, Remeasured, IncumbentRestarted,
-        IncumbentReverted, Reverted, RunFinished,
+        IncumbentReverted, Reverted, DuplicateDropped, RunFinished, ErrorSpent,
     ],
     Field(discriminator="kind"),
 ]

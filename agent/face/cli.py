@@ -51,8 +51,9 @@ def fail(message: str, code: int = 2) -> NoReturn:
 def run(
     task_file: str = typer.Argument(DEFAULT_TASK, help=TASK_HELP),
     runs_dir: Path = typer.Option(Path("runs"), help="where run folders are written"),
-    proposer: Optional[str] = typer.Option(None, help="override the task's proposer: flags or queue"),
-    patches: Optional[Path] = typer.Option(None, help="patch folder for --proposer queue"),
+    proposer: Optional[str] = typer.Option(None, help="override the task's proposer: a registered kind (flags, "
+                                           "queue, llm, or one agent/extensions.py lists)"),
+    patches: Optional[Path] = typer.Option(None, help="patch folder for --proposer queue (alone: implies it)"),
     max_candidates: Optional[int] = typer.Option(None, help="override budget.max_candidates"),
     checkout: Optional[Path] = typer.Option(None, help="override target.checkout; with --resume of a pack, the "
                                             "checkout its branch goes on in (default: the installed vLLM's)"),
@@ -91,12 +92,17 @@ def run(
         fail(f"--workers {workers}: a run needs at least one worker (1 is the single-process loop)")
     task_as_written = load_task(task_file)
     task = with_settings(task_as_written, settings + ([f"sandbox.workers={workers}"] if workers else []))
-    if proposer == "queue" or patches:
-        if not patches:
-            fail("--proposer queue needs --patches DIR")
-        task = with_overrides(task, proposer={"kind": "queue", "patches": str(patches.resolve())})
-    elif proposer and proposer != task.proposer.kind:
-        fail(f"the task has no configuration for proposer {proposer!r}; set it in the task file")
+    if kind := proposer or ("queue" if patches else None):
+        from agent.extensions import PROPOSERS
+
+        try:
+            section = PROPOSERS.get(kind).cli_section(patches)
+        except ValueError as exc:
+            fail(str(exc))
+        if section is not None:
+            task = with_overrides(task, proposer=section)
+        elif kind != task.proposer.kind:
+            fail(f"the task has no configuration for proposer {proposer!r}; set it in the task file")
     if max_candidates:
         task = with_overrides(task, budget={"max_candidates": max_candidates})
     if checkout:
@@ -117,7 +123,7 @@ def run(
         start_detached([*argv, "--run-id", run_id, "--quiet"], runs_dir / f"{run_id}.log", run_id)
         return
     if task.sandbox.workers > 1:
-        from agent.run.cluster import preflight
+        from agent.run.parallel import preflight
 
         preflight(task)
     check_run(task)
@@ -171,13 +177,8 @@ def run_loop(setup, proposer, quiet: bool, sandbox=None, resume=None, worker_san
     signal.signal(signal.SIGTERM, _terminate)
     try:
         with view:
-            if setup.task.sandbox.workers > 1:
-                from agent.run.parallel import Parallel
-
-                runner = Parallel(setup, proposer, on_event=view.update, sandbox_factory=worker_sandbox,
-                                  on_workers=view.show_workers, resume=resume)
-            else:
-                runner = Loop(setup, proposer, on_event=view.update, sandbox=sandbox, resume=resume)
+            runner = Loop(setup, proposer, on_event=view.update, sandbox=sandbox, resume=resume,
+                          sandbox_factory=worker_sandbox, on_workers=view.show_workers)
             finished = runner.run()
     except NightshiftError as exc:
         write_summary(setup.run_dir)

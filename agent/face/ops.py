@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from rich.table import Table
 
 from agent.replay.chain import BUNDLE, checkout_of
+from agent.run.phases import phase_after
 from agent.run.move import queued_patches, traced_place
 from agent.world.paths import cache_root
 from agent.run.setup import HARNESS_FILE
@@ -27,21 +28,6 @@ from traces.schema import Commit, Decision, Record, RunFinished, RunStarted
 
 LOG_LINES = 200
 PACKED = ("trace.jsonl", "task.json", "summary.json", "measurements.json")
-IN_PROGRESS = {
-    "run_started": "starting the baseline servers",
-    "self_parity": "proposing the first candidate",
-    "llm_call": "proposing",
-    "proposal_invalid": "proposing again",
-    "proposal": "applying the patch",
-    "patch_applied": "building",
-    "build": "starting the candidate's servers, then parity",
-    "parity": "benchmarking",
-    "sample": "benchmarking",
-    "benchmark": "deciding",
-    "decision": "proposing the next candidate",
-    "commit": "proposing the next candidate",
-    "resumed": "resumed: restarting the baseline servers",
-}
 
 
 class PackError(NightshiftError, RuntimeError):
@@ -86,13 +72,9 @@ def run_status(run_dir: Path, now: float | None = None) -> RunStatus:
             best *= decision.speedup
     finished = last if isinstance(last, RunFinished) and not last.resumable else None
     elapsed = finished.seconds if finished else now - records[0].time
-    in_progress = "finished" if finished else IN_PROGRESS.get(last.kind, last.kind)
+    in_progress = "finished" if finished else phase_after(last).doing
     if isinstance(last, RunFinished) and last.resumable:
         in_progress = f"stopped ({last.reason}); it goes on with nightshift run --resume"
-    elif last.kind == "parity" and not last.ok:
-        in_progress = "recording the rejection"
-    elif last.kind == "decision" and last.verdict == "keep":
-        in_progress = "committing"
     pid = _harness_pid(Path(run_dir))
     return RunStatus(
         run_id=started.run_id, branch=started.branch, last_event=last.kind,

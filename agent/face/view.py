@@ -9,17 +9,10 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from agent.run.phases import phase_after
 from agent.world.task import Task
 from agent.stages.token_audit import calibration_summary
 
-STAGE_AFTER = {"run_started": "starting baseline servers", "self_parity": "self-parity checked",
-               "proposal": "applying", "patch_applied": "building", "build": "starting server + parity",
-               "parity": "benchmarking", "sample": "benchmarking", "benchmark": "deciding", "decision": "decided",
-               "commit": "committed", "noise_floor": "noise floor measured",
-               "incumbent_restarted": "benchmarking again (the incumbent's server failed and was replaced)",
-               "resumed": "resumed: restarting the baseline servers",
-               "llm_call": "asking the LLM", "proposal_invalid": "proposal invalid", "run_finished": "finished",
-               "remeasured": "measuring again against the new head"}
 
 
 def noise_line(event) -> str:
@@ -35,7 +28,7 @@ class LiveView:
         self.candidate, self.stage, self.best, self.kept, self.spend = 0, "preparing", 1.0, 0, 0.0
         self.last = ""
         self.workers: list[dict] = []
-        """A parallel run's workers: GPU, candidate, stage (agent/run/parallel.py)."""
+        """A parallel run's workers: GPU, candidate, stage (agent/run/worker.py, agent/run/phases.py)."""
         self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                                  MofNCompleteColumn(), TimeElapsedColumn(), console=console)
         self.bar: tuple[str, int] | None = None
@@ -96,7 +89,7 @@ class LiveView:
             self.live.update(self.render())
 
     def update(self, event) -> None:
-        self.stage = STAGE_AFTER.get(event.kind, event.kind)
+        self.stage = phase_after(event).doing
         self.track(event)
         self.candidate = getattr(event, "candidate", self.candidate) or self.candidate
         if event.kind == "decision":

@@ -2,20 +2,10 @@ from agent.proposers.base import Attempt, ProposalContext, Proposer, ProposerExh
 
 
 def make_proposer(task) -> Proposer:
-    kind = task.proposer.kind
-    if kind == "flags":
-        from agent.proposers.flags import FlagsProposer
+    """The proposer of the task's kind (agent/extensions.py registers them)."""
+    from agent.extensions import PROPOSERS
 
-        return FlagsProposer(task.proposer, task.engine.args)
-    if kind == "queue":
-        from agent.proposers.queue import QueueProposer
-
-        return QueueProposer(task.proposer.patches)
-    if kind == "llm":
-        from agent.proposers.llm import LlmProposer
-
-        return LlmProposer.from_task(task)
-    raise ValueError(f"unknown proposer kind {kind!r}")
+    return PROPOSERS.get(task.proposer.kind).build(task)
 
 
 __all__ = ["Attempt", "ProposalContext", "Proposer", "ProposerExhausted", "make_proposer"]

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Protocol
 
+from agent.extensions import Proposer  # declared there, with every extension point
 from agent.world.task import Task
 from traces.schema import AnyEvent, Decision, Proposal, Record
 
@@ -39,18 +40,3 @@ class ProposerExhausted(Exception):
         super().__init__(message)
         self.kind = kind
 
-
-class Proposer(Protocol):
-    name: str
-    spend_usd: float
-    """US dollars spent so far (on an LLM); 0.0 for a proposer that spends nothing."""
-
-    def propose(self, ctx: ProposalContext) -> Proposal:
-        """The next candidate. Raises ProposerExhausted when there is none."""
-
-    def observe(self, attempt: Attempt) -> None:
-        """Learn from how the last proposal ended."""
-
-    def restore(self, records: list[Record]) -> None:
-        """A resumed run (agent/run/resume.py): take up this proposer's state from the run's trace so far, without
-        proposing again; a proposal with no decision yet is evaluated again, and then observed."""

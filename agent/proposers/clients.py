@@ -437,6 +437,42 @@ def _prompt_only(messages: Messages) -> dict[str, int]:
 
 
 # ----------------------------------------------------------------------------------- ReplayModel
+ELIDED = "(elided to fit proposer.context_tokens: an earlier tool result; call the tool again if you need it)"
+"""What an elided tool result reads (agent/proposers/tools.py `fit`)."""
+
+
+def message_delta(previous: Messages, current: Messages) -> tuple[int, list[int]]:
+    """(prefix, elided): how many of `current`'s first messages are `previous`'s, some perhaps with their content
+    elided since (those indexes). An `llm_call` records `current[prefix:]` with both."""
+    elided: list[int] = []
+    n = 0
+    for n, (old, new) in enumerate(zip(previous, current)):
+        if old == new:
+            continue
+        if new.get("content") == ELIDED and {**old, "content": ELIDED} == new:
+            elided.append(n)
+            continue
+        return n, [i for i in elided if i < n]
+    n = min(len(previous), len(current))
+    return n, elided
+
+
+def expand_messages(calls: Iterable[LlmCall]) -> list[Messages]:
+    """Each recorded call's whole request, in order: a call with `prefix` takes that many of the previous call's
+    messages (eliding those it names) and appends its own; one without (every trace written before deltas) is
+    whole as it stands."""
+    out: list[Messages] = []
+    previous: Messages = []
+    for call in calls:
+        head = json.loads(json.dumps(previous[:call.prefix])) if call.prefix else []
+        for i in call.elided:
+            if i < len(head):
+                head[i]["content"] = ELIDED
+        previous = head + json.loads(json.dumps(call.messages))
+        out.append(previous)
+    return out
+
+
 class ReplayModel:
     """Feeds back a recorded run's LLM answers (and failures) in order; no endpoint needed.
 
@@ -446,6 +482,8 @@ class ReplayModel:
 
     def __init__(self, calls: Iterable[LlmCall], name: str | None = None, strict: bool = False):
         self.calls = list(calls)
+        self.requests = expand_messages(self.calls)
+        """Each call's whole request, rebuilt from the trace's deltas."""
         self.position = 0
         self.strict = strict
         self.name = name or (self.calls[0].model if self.calls else "replay")
@@ -466,9 +504,9 @@ class ReplayModel:
                  tools: list[dict[str, Any]] | None = None) -> Completion:
         if self.position >= len(self.calls):
             raise ReplayExhausted(f"the recorded run made only {len(self.calls)} LLM call(s)")
-        call = self.calls[self.position]
+        call, request = self.calls[self.position], self.requests[self.position]
         self.position += 1
-        if [m.get("content") for m in messages] != [m.get("content") for m in call.messages]:
+        if [m.get("content") for m in messages] != [m.get("content") for m in request]:
             self.mismatches.append(self.position - 1)
             if self.strict:
                 raise ReplayExhausted(f"replay diverged at LLM call {self.position}: the messages differ")

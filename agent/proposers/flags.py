@@ -18,6 +18,10 @@ class FlagsProposer:
     name = "flags"
     spend_usd = 0.0
 
+    @classmethod
+    def from_task(cls, task) -> FlagsProposer:
+        return cls(task.proposer, task.engine.args)
+
     def __init__(self, config: FlagsConfig, baseline_args: dict):
         self.space = config.space
         self.baseline = baseline_args

@@ -39,7 +39,7 @@ from typing import Any, Callable
 from agent.proposers.clients import (
     Completion, LlmError, LlmFatalError, LlmRequestError, Messages, Model, OpenAIModel, Price, Redactor,
     ReplayExhausted,
-    complete_with_retries, estimate_tokens, messages_tokens, tools_unsupported,
+    complete_with_retries, estimate_tokens, expand_messages, message_delta, messages_tokens, tools_unsupported,
 )
 from agent.proposers import notebook, tools
 from agent.proposers.base import Attempt, ProposalContext, ProposerExhausted
@@ -83,6 +83,10 @@ class Conversation:
     files: list[str] = field(default_factory=list)
     follow_ups: int = 0
     hypothesis: str = ""
+    reflect_on: int | None = None
+    """The candidate whose result the opening asked the model to reflect on (propose's `reflection`)."""
+    reflections: list[str] = field(default_factory=list)
+    """The reflections the model's propose calls carried, in order."""
 
 
 class LlmProposer:
@@ -117,6 +121,8 @@ class LlmProposer:
         self._seen: dict[str, int] = {}
         self._invalid_log: list[str] = []
         self.notebook: list[NotebookEntry] = []
+        self._sent: Messages = []
+        """The previous LLM call's request as recorded (redacted): the next call records only what follows it."""
         self._emit: Callable[[AnyEvent], str] | None = None
         self._restoring = False
         self.protocol: str = spec.tools
@@ -159,13 +165,22 @@ class LlmProposer:
         answer = self.spec.answer_tokens
         params = {**({"temperature": temperature} if temperature is not None else {}),
                   self.spec.answer_field: answer, **self.model.params}
-        recorded = self.redactor.obj(messages)
+        recorded = json.loads(json.dumps(self.redactor.obj(messages)))
+
+        def delta() -> tuple[Messages, int, list[int]]:
+            """The request as the trace keeps it: the messages after those of the previous recorded call (a failed
+            attempt's too), which replay and resume rebuild from it."""
+            prefix, elided = message_delta(self._sent, recorded)
+            self._sent = recorded
+            return recorded[prefix:], prefix, elided
 
         def failed(error: LlmError, latency: float) -> None:
             usage = {k: int(v) for k, v in error.usage.items()}
             cost = self._spend(usage)
+            new, prefix, elided = delta()
             self._record(ctx, LlmCall(candidate=ctx.candidate, model=self.model.name, params=params,
-                                      messages=recorded, response=None, finish_reason=None, usage=usage,
+                                      messages=new, prefix=prefix, elided=elided, response=None,
+                                      finish_reason=None, usage=usage,
                                       cost_usd=round(cost, 8), latency_s=round(latency, 3),
                                       error=self.redactor.text(error.record())))
 
@@ -187,8 +202,10 @@ class LlmProposer:
             message = self.redactor.obj({**completion.message, "content": completion.text
                                          or completion.message.get("content")})
             completion.message = message
+        new, prefix, elided = delta()
         self._record(ctx, LlmCall(candidate=ctx.candidate, model=completion.model or self.model.name,
-                                  params=params, messages=recorded, response=completion.text,
+                                  params=params, messages=new, prefix=prefix, elided=elided,
+                                  response=completion.text,
                                   finish_reason=completion.finish_reason, usage=usage, cost_usd=round(cost, 8),
                                   latency_s=round(completion.latency_s, 3),
                                   tool_calls=self.redactor.obj(completion.tool_calls), message=message))
@@ -261,15 +278,16 @@ class LlmProposer:
         raise ProposerExhausted(f"{self.spec.attempts_per_proposal} LLM answers in a row were unusable; "
                                 f"the last: {last_reason}")
 
-    def _proposal(self, ctx: ProposalContext, patch: Patch, convo: Conversation, **info: Any) -> Proposal:
+    def _proposal(self, ctx: ProposalContext, patch: Patch, convo: Conversation,
+                  engine_args: dict[str, Any] | None = None, **info: Any) -> Proposal:
         """The checked patch as this candidate's proposal; its conversation is kept for a repair turn."""
-        self._seen[hashlib.sha256(patch.diff.encode()).hexdigest()] = ctx.candidate
+        self._seen[tools.proposal_key(patch.diff, engine_args or {})] = ctx.candidate
         convo.candidate, convo.files = ctx.candidate, patch.files
         self._last = convo
         meta = {"llm": {"model": self.model.name, **info, "files": patch.files,
                         "spend_usd": round(self.spend_usd, 6), "tokens_used": self.tokens_used}}
         proposal = Proposal(candidate=ctx.candidate, proposer=self.name, summary=patch.summary, patch=patch.diff,
-                            meta=meta)
+                            engine_args=dict(engine_args or {}), meta=meta)
         self.stats.add(proposal)
         return proposal
 
@@ -327,9 +345,12 @@ class LlmProposer:
         repairs: dict[int, int] = {}
         call: LlmCall | None = None
         results: list[ToolCall] = []
-        for event in (r.event for r in records):
-            if isinstance(event, NotebookEntry):
-                self.notebook.append(event)
+        events = [r.event for r in records]
+        requests = iter(expand_messages([e for e in events if isinstance(e, LlmCall)]))
+        sent: Messages | None = None
+        for event in events:
+            if isinstance(event, NotebookEntry):  # an entry written again (with the model's reflection) replaces it
+                self.notebook = [e for e in self.notebook if e.candidate != event.candidate] + [event]
             elif isinstance(event, ToolCall):
                 self.stats.add(event)
                 results.append(event)
@@ -339,7 +360,9 @@ class LlmProposer:
                 self.tokens_in += event.usage.get("prompt_tokens", 0)
                 self.tokens_out += event.usage.get("completion_tokens", 0)
                 self.spend_usd += event.cost_usd
-                self.fresh += len(event.messages) <= 2 and (call is None or call.messages != event.messages)
+                previous, sent = sent, next(requests)
+                self.fresh += len(sent) <= 2 and (call is None or previous != sent)
+                self._sent = sent
                 call = event
             elif isinstance(event, ProposalInvalid):
                 self.stats.add(event)
@@ -349,12 +372,12 @@ class LlmProposer:
             elif isinstance(event, Proposal) and event.proposer == self.name:
                 self.stats.add(event)
                 proposals[event.candidate] = event
-                self._seen[hashlib.sha256(event.patch.encode()).hexdigest()] = event.candidate
+                self._seen[tools.proposal_key(event.patch, event.engine_args)] = event.candidate
                 info = event.meta.get("llm", {})
                 of = info.get("repair_of")
                 repairs[event.candidate] = repairs.get(of, 0) + 1 if of is not None else 0
                 self.repairs += of is not None
-                messages = list(call.messages) if call else []
+                messages = json.loads(json.dumps(sent)) if call and sent is not None else []
                 if call is not None and self.spec.tools != "off":  # the conversation up to the accepted propose
                     messages = [*messages, self._assistant(call.response or "", call.tool_calls, call.message),
                                 *(self._tool_result(r.call_id, r.name, r.result) for r in results)]
@@ -380,9 +403,12 @@ class LlmProposer:
                                                              + note}],
                                  repairs=convo.repairs + 1, files=convo.files)
             repair_of = attempt.proposal.candidate
+            target = self._reflect_target()
+            convo.reflect_on = target.candidate if target is not None else None
         else:
             self.fresh += 1
-            convo = Conversation(messages=self._tool_messages(ctx))
+            convo = Conversation(messages=[])
+            convo.messages = self._tool_messages(ctx, convo)
         last_reason = ""
         failed = 0  # conversations in a row that ended without a proposal, the outages left out
         conversation = -1
@@ -395,13 +421,17 @@ class LlmProposer:
             if isinstance(outcome, tools.Result):
                 assert outcome.patch is not None
                 convo.hypothesis = outcome.hypothesis
-                return self._proposal(ctx, outcome.patch, convo, repair_of=repair_of, hypothesis=outcome.hypothesis,
+                self._reflect(ctx, convo)
+                return self._proposal(ctx, outcome.patch, convo, engine_args=outcome.engine_args,
+                                      repair_of=repair_of, hypothesis=outcome.hypothesis,
                                       plan=outcome.plan, tools=self.protocol,
                                       turns=sum(1 for m in convo.messages if m.get("role") == "assistant"))
             last_reason = outcome
             self._invalid(ctx, outcome)
+            self._reflect(ctx, convo)
             self.fresh += 1
-            convo = Conversation(messages=self._tool_messages(ctx))
+            convo = Conversation(messages=[])
+            convo.messages = self._tool_messages(ctx, convo)
             repair_of = None
             if outcome.startswith(OUTAGE):  # the endpoint, not the model: recorded, and not counted
                 failed -= 1
@@ -412,9 +442,15 @@ class LlmProposer:
         """Model turns and tool calls until `propose` accepts a change (its Result) or the conversation ends (why)."""
         native = self.protocol == "native"
         offer = tools.definitions() if native else None
-        box = tools.Toolbox(Path(ctx.checkout), self.task.edit_surface.include, self.task.edit_surface.exclude,
+        surface = self.task.edit_surface
+        box = tools.Toolbox(Path(ctx.checkout), surface.include, surface.exclude,
                             profile=self._profile_text, notebook=self._notebook_text, branch_diff=ctx.branch_diff,
-                            seen=self._seen)
+                            seen=self._seen, incumbent_args=dict(ctx.incumbent_args), levers=list(surface.engine_args),
+                            lever_values=dict(surface.engine_values),
+                            candidates=lambda number: self._candidate_text(ctx, number),
+                            import_timeout_s=self.spec.import_timeout_s,
+                            hide_env=(self.spec.api_key_env,) if self.spec.api_key_env else (),
+                            reflections=convo.reflections)
         budget = self.spec.tool_budget
         used, tokens, usd = 0, 0, 0.0  # used: tool calls carried out, and turns without one
         answered: dict[str, int] = {}  # calls already answered in this conversation: key -> call number
@@ -520,10 +556,56 @@ class LlmProposer:
             return {"role": "tool", "tool_call_id": call_id, "content": text}
         return {"role": "user", "content": f"RESULT {name}:\n{text}"}
 
+    def _reflect(self, ctx: ProposalContext, convo: Conversation) -> None:
+        """The model's reflection on the candidate its opening asked about, into that candidate's notebook entry
+        (written again, replacing the first): what was learned is the model's judgement, not a rule's."""
+        number, text = convo.reflect_on, (convo.reflections or [""])[-1]
+        if number is None or not text:
+            return
+        for n, old in enumerate(self.notebook):
+            if old.candidate == number and not old.reflection:
+                entry = notebook.reflected(old, text)
+                self.notebook[n] = entry
+                ctx.record(entry)
+                return
+
+    def _reflect_target(self) -> NotebookEntry | None:
+        """This proposer's newest decided candidate whose result has no reflection yet."""
+        newest = self.notebook[-1] if self.notebook else None
+        return newest if newest is not None and not newest.reflection else None
+
+    def _candidate_text(self, ctx: ProposalContext, number: int) -> str:
+        """One earlier candidate in full, for the `candidate` tool: the change, and the evidence on it."""
+        attempt = next((a for a in ctx.history if a.proposal.candidate == number), None)
+        entry = next((e for e in self.notebook if e.candidate == number), None)
+        if attempt is None:
+            known = sorted(a.proposal.candidate for a in ctx.history)
+            return (f"error: no decided candidate {number}; the decided ones: "
+                    f"{', '.join(map(str, known)) or 'none yet'}")
+        p, d = attempt.proposal, attempt.decision
+        info = p.meta.get("llm", {}) if isinstance(p.meta.get("llm"), dict) else {}
+        lines = [f"Candidate {number} [{p.proposer}]: {p.summary}"]
+        for label, key in (("Plan", "plan"), ("Hypothesis", "hypothesis"), ("Repair of candidate", "repair_of")):
+            if info.get(key) not in (None, ""):
+                lines.append(f"{label}: {info[key]}")
+        if p.engine_args:
+            lines.append(f"Engine args: {json.dumps(p.engine_args, sort_keys=True)}")
+        numbers = ""
+        if d.speedup is not None:
+            numbers = f", speedup {d.speedup:.3f}x"
+            if d.ci_low is not None and d.ci_high is not None:
+                numbers += f" [{d.ci_low:.3f}, {d.ci_high:.3f}]"
+        lines.append(f"Decision: {d.verdict} at {d.stage}{numbers}")
+        lines.append(f"Evidence ({d.stage}): {d.reason.strip()[:4000] or '(none)'}")
+        if entry is not None and entry.reflection:
+            lines.append(f"Reflection: {entry.reflection}")
+        lines.append("Diff:\n" + (p.patch.strip() or "(no code change)"))
+        return "\n".join(lines)
+
     def _notebook_text(self) -> str:
         return notebook.compact(self.notebook, self.task.acceptance.min_speedup, self._hot_files())
 
-    def _tool_messages(self, ctx: ProposalContext) -> Messages:
+    def _tool_messages(self, ctx: ProposalContext, convo: Conversation | None = None) -> Messages:
         task = self.task
         protocol = "" if self.protocol == "native" else load_prompt("tools_text").substitute(
             tools=tools.text_protocol())
@@ -539,7 +621,16 @@ class LlmProposer:
             "surface": surface, "calls": str(self.spec.tool_budget.calls),
             "profile": _clip(self._profile_text(), self.spec.context_tokens * 0.2),
             "notebook": _clip(self._notebook_text(), self.spec.context_tokens * 0.2),
+            "levers": _levers(task, ctx.incumbent_args),
+            "reflect": "",
         }
+        target = self._reflect_target()
+        if convo is not None and target is not None:
+            convo.reflect_on = target.candidate
+            fields["reflect"] = (f"\n# Your last result: candidate {target.candidate}\n"
+                                 f"{target.summary[:1500]}\nIn propose's `reflection`, say what this result teaches "
+                                 "(judge the evidence: is the interval wide, did the tokens diverge, is the spot "
+                                 "really cold?); it goes into the notebook.\n")
         return [{"role": "system", "content": load_prompt("tools_system").substitute(protocol=protocol)},
                 {"role": "user", "content": load_prompt("tools_propose").substitute(fields)}]
 
@@ -744,6 +835,20 @@ def _clip(text: str, budget_tokens: float) -> str:
     if len(text) <= limit:
         return text
     return text[:limit] + f"\n[... {len(text) - limit} more characters cut]"
+
+
+def _levers(task: Task, incumbent: dict[str, Any]) -> str:
+    """The engine args `propose` may change, each with its incumbent value and the values allowed."""
+    surface = task.edit_surface
+    if not surface.engine_args:
+        return "none (code changes only)"
+    out = []
+    for name in surface.engine_args:
+        now = json.dumps(incumbent.get(name))
+        allowed = surface.engine_values.get(name)
+        out.append(f"{name}={now}" + (f" (one of {', '.join(json.dumps(v) for v in allowed)})" if allowed else ""))
+    return ("; ".join(out) + ". Give them in propose's `engine_args`, alone or with code; null is vLLM's default; "
+            "any other value must be of the current value's type")
 
 
 def _workload(task: Task) -> str:

@@ -2,9 +2,11 @@
 proposals, `review` and the report.
 
 An entry's `summary` is one paragraph: the hypothesis, the files, the stage reached, the speedup with its interval,
-and what was learned; a parity or audit failure adds where the tokens diverged. What was learned is read off the
-decision, so that the next proposal can choose explicitly: a hot spot not yet tried, a refinement of a near miss
-(same tokens, not significantly faster), or a repair.
+and the outcome; a parity or audit failure adds where the tokens diverged. The outcome states the decision's facts
+only (one benchmark is one measurement: a rule does not conclude "not where the time goes" from it); what the result
+teaches is the model's own `reflection`, written in its next conversation (propose's `reflection`), which writes the
+entry again with it. The compact view is newest first, with what to choose next at its head (a hot spot not yet
+tried, a refinement of a near miss, or a repair), so that a clipped notebook loses the oldest entries.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ def learned(decision: Decision, min_speedup: float) -> str:
         return (f"same tokens, {decision.speedup:.3f}x but not significant (needs {min_speedup:g}x at the lower "
                 f"bound): a near miss, refine it to remove more of the same work")
     if decision.speedup is not None:
-        return f"same tokens but not faster ({decision.speedup:.3f}x): this spot is not where the time goes"
+        return (f"same tokens, {decision.speedup:.3f}x: not faster in this one measurement (judge the interval "
+                f"before calling the spot cold)")
     return f"rejected at {decision.stage}: {reason}"
 
 
@@ -49,24 +52,35 @@ def entry(proposal: Proposal, decision: Decision, hypothesis: str, min_speedup: 
             interval += f" [{decision.ci_low:.3f}, {decision.ci_high:.3f}]"
     divergence = decision.reason.strip()[:600] if decision.stage in ("parity", "audit") else ""
     what = learned(decision, min_speedup)
+    flags = (f" Engine args: {', '.join(f'{k}={v}' for k, v in sorted(proposal.engine_args.items()))}."
+             if proposal.engine_args else "")
     paragraph = (f"Candidate {proposal.candidate}: {proposal.summary.strip()}. "
                  + (f"Hypothesis: {hypothesis.strip()} " if hypothesis.strip() else "")
-                 + f"Files: {', '.join(files) or 'none'}. Reached: {decision.verdict} at {decision.stage}{interval}. "
+                 + f"Files: {', '.join(files) or 'none'}.{flags} Reached: {decision.verdict} at "
+                 + f"{decision.stage}{interval}. "
                  + (f"Divergence: {divergence} " if divergence else "")
-                 + f"Learned: {what}.")
+                 + f"Outcome: {what}.")
     return NotebookEntry(candidate=proposal.candidate, summary=paragraph, hypothesis=hypothesis.strip()[:2000],
                          files=files, verdict=decision.verdict, stage=decision.stage, speedup=decision.speedup,
                          ci_low=decision.ci_low, ci_high=decision.ci_high, learned=what, divergence=divergence)
 
 
+def reflected(old: NotebookEntry, reflection: str) -> NotebookEntry:
+    """The entry written again with the model's reflection on it (which replaces the first in the notebook)."""
+    text = reflection.strip()[:1000]
+    return old.model_copy(update={"reflection": text, "summary": f"{old.summary} Reflection: {text}"})
+
+
 def compact(entries: list[NotebookEntry], min_speedup: float, hot_files: list[str] = (), limit: int = 12) -> str:
-    """The notebook for a prompt: the latest entries one paragraph each, then what to try next."""
+    """The notebook for a prompt: what to try next, then the latest entries newest first, one paragraph each (a
+    clipped notebook loses the oldest)."""
     if not entries:
-        lines = ["(no entries yet: this is the first candidate)"]
+        body = ["(no entries yet: this is the first candidate)"]
     else:
-        lines = [e.summary[:900] for e in entries[-limit:]]
+        body = [e.summary[:1200] for e in reversed(entries[-limit:])]
         if len(entries) > limit:
-            lines.insert(0, f"({len(entries) - limit} earlier entries left out)")
+            body.append(f"({len(entries) - limit} earlier entries left out: `candidate` gives any of them)")
+    lines: list[str] = []
     tried = {f for e in entries for f in e.files}
     untried = [f for f in hot_files if f not in tried][:5]
     near = [e.candidate for e in entries if near_miss(e, min_speedup)]
@@ -77,4 +91,4 @@ def compact(entries: list[NotebookEntry], min_speedup: float, hot_files: list[st
                      f"a refinement of a near miss (candidates {', '.join(map(str, near))})" if near else "",
                      f"a repair (candidates {', '.join(map(str, broken[-3:]))})" if broken else "") if x)
                  + ". Say which in propose's `plan`.")
-    return "\n".join(lines)
+    return "\n".join(lines + body)

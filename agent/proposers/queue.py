@@ -11,7 +11,7 @@ import yaml
 
 from agent.proposers.base import Attempt, ProposalContext, ProposerExhausted
 from traces.errors import NightshiftError
-from traces.schema import Proposal, Record
+from traces.schema import DuplicateDropped, Proposal, Record
 
 
 class QueueError(NightshiftError, ValueError):
@@ -60,6 +60,10 @@ class QueueProposer:
     name = "queue"
     spend_usd = 0.0
 
+    @classmethod
+    def from_task(cls, task) -> QueueProposer:
+        return cls(task.proposer.patches)
+
     def __init__(self, folder: Path):
         folder = Path(folder)
         if not folder.is_dir():
@@ -89,6 +93,6 @@ class QueueProposer:
 
     def restore(self, records: list[Record]) -> None:
         """The queue's position: the files already proposed are done."""
-        done = {r.event.meta.get("file") for r in records
-                if isinstance(r.event, Proposal) and r.event.proposer == self.name}
+        done = {r.event.meta.get("file") for r in records  # a dropped duplicate was taken from the queue too
+                if isinstance(r.event, (Proposal, DuplicateDropped)) and r.event.proposer == self.name}
         self.pending = [p for p in self.pending if p.name not in done]

@@ -6,8 +6,9 @@ the tools' definitions for the OpenAI tools API. A refused call is answered with
 raised: the model reads it and tries again, within the proposal's budget.
 
 `propose` answers like a compiler, check by check (edit surface, exact application, identity edits, py_compile of
-every changed file, `git apply --check`), with every problem it finds, not only the first; a proposal that passes
-them all becomes the candidate.
+every changed file, undefined names, the changed modules imported on the host, `git apply --check`, engine args
+against the task's levers), with every problem it finds, not only the first; a proposal that passes them all
+becomes the candidate. `candidate` returns any earlier candidate's diff and evidence.
 
 The text protocol, for endpoints without tools: an answer is one line `CALL <tool> {json arguments}`, or edit
 blocks (SEARCH/REPLACE or FUNCTION), which are a `propose`.
@@ -26,6 +27,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from agent.proposers import checks
 from agent.proposers.edits import (
     Edit, EditError, Files, Patch, apply_edit, check_applies, checked_path, compile_errors, parse_edits, summary_of,
     unified_diff,
@@ -87,7 +89,7 @@ class FunctionReplace(Args):
     code: str = Field(description="the complete new definition (decorators included), nothing else")
 
 
-TEXT_FIELDS = {"summary": 300, "hypothesis": 2000, "plan": 200}
+TEXT_FIELDS = {"summary": 300, "hypothesis": 2000, "plan": 200, "reflection": 1000}
 """The free-text fields of `propose` and their lengths; a longer one is clipped."""
 
 
@@ -115,6 +117,13 @@ def is_function(value: Any) -> bool:
     return isinstance(value, dict) and {"name", "code"} <= set(value) and not {"search", "replace"} & set(value)
 
 
+Scalar = bool | int | float | str | None
+
+
+class CandidateArgs(Args):
+    number: int = Field(ge=0, description="the candidate's number, as the notebook names it")
+
+
 class ProposeArgs(Args):
     summary: str = Field(min_length=1, max_length=TEXT_FIELDS["summary"],
                          description="what the change does, one line")
@@ -123,9 +132,15 @@ class ProposeArgs(Args):
     plan: str = Field("", max_length=TEXT_FIELDS["plan"],
                       description="what this is: a new hot spot, a refinement of a near miss (name the candidate), "
                                   "or a repair (name the candidate)")
+    reflection: str = Field("", max_length=TEXT_FIELDS["reflection"],
+                            description="what the result of the candidate the opening asks about teaches (your "
+                                        "judgement of its evidence: stage, interval, divergence), for the notebook")
     edits: list[SearchReplace] = Field(default_factory=list)
     functions: list[FunctionReplace] = Field(default_factory=list)
     blocks: str = Field("", description="alternatively, SEARCH/REPLACE or FUNCTION blocks as text")
+    engine_args: dict[str, Scalar] = Field(
+        default_factory=dict, description="engine args to change with (or instead of) the code, e.g. "
+                                          "{\"max_num_seqs\": 512}; only the task's levers, null for vLLM's default")
 
     @model_validator(mode="before")
     @classmethod
@@ -176,11 +191,15 @@ TOOLS: dict[str, tuple[type[Args], str]] = {
     "notebook": (NoArgs, "The lab notebook: every earlier candidate's hypothesis, files, stage reached, speedup "
                          "and interval, and what was learned."),
     "branch_diff": (NoArgs, "The changes already kept on the run's branch (the tree already includes them)."),
-    "propose": (ProposeArgs, "Submit a change: SEARCH/REPLACE edits and/or whole-function replacements. It is "
-                             "checked at once (edit surface, exact application, identity edits, py_compile, git "
-                             "apply --check); fix what the answer names and call propose again. A change that "
-                             "passes becomes the candidate that is built, checked for identical tokens and "
-                             "benchmarked."),
+    "candidate": (CandidateArgs, "Any earlier candidate in full: its diff and engine args, hypothesis, the stage it "
+                                 "reached, speedup and interval, parity divergence or audit finding, and the "
+                                 "reflection on it."),
+    "propose": (ProposeArgs, "Submit a change: SEARCH/REPLACE edits and/or whole-function replacements, and/or "
+                             "engine args among the task's levers. It is checked at once (edit surface, exact "
+                             "application, identity edits, py_compile, undefined names, the changed modules "
+                             "imported, git apply --check, the engine args and their values); fix what the answer "
+                             "names and call propose again. A change that passes becomes the candidate that is "
+                             "built, checked for identical tokens and benchmarked."),
 }
 
 
@@ -211,6 +230,8 @@ class Result:
     patch: Patch | None = None
     hypothesis: str = ""
     plan: str = ""
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    reflection: str = ""
 
 
 @dataclass
@@ -224,7 +245,17 @@ class Toolbox:
     notebook: Callable[[], str] = lambda: "(no entries yet)"
     branch_diff: str = ""
     seen: dict[str, int] = field(default_factory=dict)
-    """sha256 of the diffs already proposed -> their candidate."""
+    """`proposal_key` of the changes already proposed -> their candidate."""
+    incumbent_args: dict[str, Any] = field(default_factory=dict)
+    levers: list[str] = field(default_factory=list)
+    """The engine args a candidate may change (edit_surface.engine_args)."""
+    lever_values: dict[str, list[Any]] = field(default_factory=dict)
+    """The values a lever may take, where the task limits them (edit_surface.engine_values)."""
+    candidates: Callable[[int], str] = lambda number: f"error: no candidate {number} yet"
+    import_timeout_s: float = 0.0
+    hide_env: tuple[str, ...] = ()
+    reflections: list[str] = field(default_factory=list)
+    """The `reflection` of each propose call with valid arguments (accepted or not), in order."""
 
     def call(self, name: str, arguments: str | dict[str, Any] | None) -> Result:
         if name not in TOOLS:
@@ -309,6 +340,10 @@ class Toolbox:
     def _notebook(self, args: NoArgs) -> Result:
         return Result(_clip(self.notebook()))
 
+    def _candidate(self, args: CandidateArgs) -> Result:
+        text = self.candidates(args.number)
+        return Result(_clip(text), ok=not text.startswith("error:"))
+
     def _branch_diff(self, args: NoArgs) -> Result:
         return Result(_clip(self.branch_diff.strip() or "(none yet: the files are vLLM as released)"))
 
@@ -321,6 +356,8 @@ class Toolbox:
     def _propose(self, args: ProposeArgs) -> Result:
         edits: list[Edit] = []
         report: list[str] = []
+        if args.reflection.strip():
+            self.reflections.append(args.reflection.strip())
         try:
             if args.blocks.strip():
                 edits += parse_edits(args.blocks)
@@ -329,15 +366,24 @@ class Toolbox:
         edits += [Edit(path=e.path, search=e.search, replace=e.replace, index=0, replace_all=e.replace_all)
                   for e in args.edits]
         edits += [Edit(path=f.path, search="", replace=f.code, index=0, function=f.name) for f in args.functions]
-        if not edits:
-            return Result("REJECTED\nparse: no edits (give `edits`, `functions` or `blocks`)", ok=False)
+        if not edits and not args.engine_args:
+            return Result("REJECTED\nparse: no edits (give `edits`, `functions` or `blocks`, or `engine_args`)",
+                          ok=False)
         for n, edit in enumerate(edits, 1):
             edit.index = n
-        problems, changed = check(edits, Path(self.checkout), self.include, self.exclude, report)
+        problems, changed = (check(edits, Path(self.checkout), self.include, self.exclude, report,
+                                   import_timeout_s=self.import_timeout_s, hide_env=self.hide_env)
+                             if edits else ([], {}))
+        flags = {}
+        if args.engine_args:
+            flags, refused = lever_check(args.engine_args, self.incumbent_args, self.levers, self.lever_values)
+            report.append("engine args: FAILED" if refused else
+                          f"engine args: ok ({', '.join(f'{k}={json.dumps(v)}' for k, v in sorted(flags.items()))})")
+            problems += refused
         patch = None
         if not problems:
-            diff = unified_diff(changed)
-            digest = hashlib.sha256(diff.encode()).hexdigest()
+            diff = unified_diff(changed) if changed else ""
+            digest = proposal_key(diff, flags)
             if digest in self.seen:
                 problems.append(f"duplicate: the same change as candidate {self.seen[digest]}, already tried")
             else:
@@ -345,14 +391,48 @@ class Toolbox:
                               edits=edits)
         lines = report + problems
         if patch is not None:
-            lines.append(f"ACCEPTED: {len(patch.files)} file(s), {len(edits)} edit(s); it is now built, checked for "
-                         f"identical tokens and benchmarked")
-            return Result("\n".join(lines), patch=patch, hypothesis=args.hypothesis, plan=args.plan)
+            what = f"{len(patch.files)} file(s), {len(edits)} edit(s)" + (f", engine args {json.dumps(flags)}"
+                                                                           if flags else "")
+            lines.append(f"ACCEPTED: {what}; it is now built, checked for identical tokens and benchmarked")
+            return Result("\n".join(lines), patch=patch, hypothesis=args.hypothesis, plan=args.plan,
+                          engine_args=flags, reflection=args.reflection.strip())
         return Result("REJECTED: fix the problems below and call propose again\n" + "\n".join(lines), ok=False)
 
 
-def check(edits: list[Edit], checkout: Path, include: list[str], exclude: list[str], report: list[str]
-          ) -> tuple[list[str], Files]:
+def proposal_key(diff: str, engine_args: dict[str, Any]) -> str:
+    """The identity of a proposed change: its diff and its engine args (sha256)."""
+    return hashlib.sha256((diff + (json.dumps(engine_args, sort_keys=True) if engine_args else "")).encode()
+                          ).hexdigest()
+
+
+def lever_check(args: dict[str, Any], incumbent: dict[str, Any], levers: list[str],
+                values: dict[str, list[Any]]) -> tuple[dict[str, Any], list[str]]:
+    """(the engine args that change the incumbent's, the problems): each must be one of the task's levers, take an
+    allowed value (the task's list, else a value of the incumbent's type, or null for vLLM's default), and change
+    something."""
+    problems: list[str] = []
+    for name, value in sorted(args.items()):
+        if name not in levers:
+            problems.append(f"engine args: {name} is not a lever of this task (edit_surface.engine_args: "
+                            f"{', '.join(levers) or 'none'})")
+        elif name in values and value not in values[name]:
+            problems.append(f"engine args: {name}={json.dumps(value)} is not allowed (allowed: "
+                            f"{', '.join(json.dumps(v) for v in values[name])})")
+        elif name not in values and value is not None and incumbent.get(name) is not None:
+            base = incumbent[name]
+            same = (isinstance(value, bool) == isinstance(base, bool)
+                    and (isinstance(value, type(base)) or (isinstance(base, float) and isinstance(value, int))))
+            if not same:
+                problems.append(f"engine args: {name}={json.dumps(value)} is not of the incumbent's type "
+                                f"({type(base).__name__}, now {json.dumps(base)})")
+    changed = {k: v for k, v in args.items() if incumbent.get(k) != v}
+    if not problems and not changed:
+        problems.append("engine args: every value given is the incumbent's already (no change)")
+    return changed, problems
+
+
+def check(edits: list[Edit], checkout: Path, include: list[str], exclude: list[str], report: list[str],
+          import_timeout_s: float = 0.0, hide_env: tuple[str, ...] = ()) -> tuple[list[str], Files]:
     """Every check of a proposal, in order, each answered on one line of `report`: the problems found, and the
     changed files {path: (old, new)}."""
     from agent.stages.surface import surface_allows
@@ -397,6 +477,17 @@ def check(edits: list[Edit], checkout: Path, include: list[str], exclude: list[s
         report.append("py_compile: FAILED")
         return problems + [f"py_compile: {e}" for e in errors], {}
     report.append(f"py_compile: ok ({', '.join(sorted(k for k in changed if k.endswith('.py'))) or 'no Python file'})")
+    undefined = checks.undefined_names(changed)
+    if undefined:
+        report.append("names: FAILED")
+        return problems + [f"names: {x}" for x in undefined], {}
+    report.append("names: ok (no undefined name)")
+    if import_timeout_s > 0:
+        failed, note = checks.import_errors(checkout, changed, import_timeout_s, hide_env)
+        if failed:
+            report.append("import: FAILED")
+            return problems + [f"import: {x}" for x in failed], {}
+        report.append(f"import: ok{f' ({note})' if note else ''}")
     try:
         check_applies(unified_diff(changed), changed)
     except EditError as exc:
@@ -452,7 +543,7 @@ def json_calls(text: str) -> list[dict[str, str]]:
 
 # ------------------------------------------------------------------------------------ the conversation
 READ_ONLY = set(TOOLS) - {"propose"}
-ELIDED = "(elided to fit proposer.context_tokens: an earlier tool result; call the tool again if you need it)"
+from agent.proposers.clients import ELIDED  # noqa: E402 (one placeholder, which the trace's deltas know)
 
 
 def call_key(name: str, arguments: str | dict[str, Any] | None) -> str | None:

@@ -15,7 +15,8 @@ from agent.stages.stats import (MEAN_T, accepts, estimate_speedup, idle_work, or
 from agent.world.task import Acceptance, Audit, Benchmark
 from agent.stages.token_audit import EPSILON_NATS, audit_passed, calibration_refusal, judge
 from traces import TraceError
-from traces.schema import (BenchReport, Commit, Decision, IncumbentReverted, Record, Remeasured, Resumed, Reverted,
+from agent.run import budget
+from traces.schema import (BenchReport, Commit, Decision, ErrorSpent, IncumbentReverted, Record, Remeasured, Resumed, Reverted,
                            RunFinished, RunStarted, TokenAudit)
 
 TOLERANCE = 1e-9
@@ -42,8 +43,20 @@ def check_decisions(records: list[Record]) -> int:
     speedups: dict[str, float] = {}
     checked_head: str | None = None  # the commit the last passing end-of-run audit names
     checked = 0
+    shares: dict[int, float] = {}  # candidate -> the confidence its share of the night's budget set
+    spent = 0
     for record in records:
         event, line = record.event, record.seq + 1
+        if isinstance(event, ErrorSpent):
+            spent += 1
+            derived = budget.spend(acceptance.night_alpha or 0.0, event.candidate, spent)
+            if not acceptance.night_alpha or event.index != spent or not all(
+                    _close(getattr(event, f), getattr(derived, f)) for f in ("alpha", "spent", "confidence")) \
+                    or not _close(event.night_alpha, acceptance.night_alpha) or event.spent > event.night_alpha:
+                raise TraceError(line, f"candidate {event.candidate}'s share of the night's error budget (index "
+                                       f"{event.index}, alpha {event.alpha:.4g}, spent {event.spent:.4g}) is not the "
+                                       f"task's: index {spent}, alpha {derived.alpha:.4g}, spent {derived.spent:.4g}")
+            shares[event.candidate] = event.confidence
         if isinstance(event, Decision) and event.verdict == "keep":
             speedups[record.sha256] = event.speedup or 1.0
         elif isinstance(event, Commit):
@@ -54,7 +67,13 @@ def check_decisions(records: list[Record]) -> int:
             keeps.pop()
         if isinstance(event, BenchReport):
             reports[event.candidate, event.confirmation] = event
-            _check_report(event, acceptance, line, planned, estimator)
+            level = acceptance
+            if acceptance.night_alpha:
+                if event.candidate not in shares:
+                    raise TraceError(line, f"benchmark of candidate {event.candidate} without its share of the "
+                                           f"night's error budget recorded before it")
+                level = acceptance.model_copy(update={"confidence": shares[event.candidate]})
+            _check_report(event, level, line, planned, estimator)
             busy = idle_work(event.samples, b.max_idle_cpu)
             if busy:
                 raise TraceError(line, f"benchmark of candidate {event.candidate} counted, though {busy}")
@@ -134,13 +153,17 @@ def _check_audit(event: TokenAudit, line: int, rule: Audit, acceptance: Acceptan
         raise TraceError(line, f"{where}: judged after an A/A that should have refused the run: {refusal}")
     args = (rule.hard_bound_nats, rule.rate_ratio, acceptance.confidence)
     aa = calibration.side if calibration else None
+    weighed = recorded.magnitude_p_value is not None  # traces from before the magnitude test replay without it
     control = event.control
     if event.control_verdict is not None:
         _check_verdict(event.control_verdict, _invalid(event, "control", line, where)
-                       or judge(event.control, None, aa, *args), f"{where}, its control", line)
+                       or judge(event.control, None, aa, *args,
+                                magnitude=event.control_verdict.magnitude_p_value is not None),
+                       f"{where}, its control", line)
         if not event.control_verdict.passed:
             control = None  # a control that fails its own audit is no reference for the candidate
-    _check_verdict(recorded, _invalid(event, "candidate", line, where) or judge(side, control, aa, *args), where, line)
+    _check_verdict(recorded, _invalid(event, "candidate", line, where)
+                   or judge(side, control, aa, *args, magnitude=weighed), where, line)
 
 
 def _invalid(event: TokenAudit, side: str, line: int, where: str):
@@ -162,7 +185,9 @@ def _invalid(event: TokenAudit, side: str, line: int, where: str):
 def _check_verdict(recorded, derived, where: str, line: int) -> None:
     if (recorded.passed, recorded.test, recorded.reference) != (derived.passed, derived.test, derived.reference) \
             or not (_close(recorded.rate_p_value, derived.rate_p_value)
-                    and _close(recorded.concentration_p_value, derived.concentration_p_value)):
+                    and _close(recorded.concentration_p_value, derived.concentration_p_value)) \
+            or (derived.magnitude_p_value is not None and not _close(recorded.magnitude_p_value,
+                                                                   derived.magnitude_p_value)):
         raise TraceError(line, f"{where}: recorded verdict '{recorded.test}' (rate p={recorded.rate_p_value:.4g}, "
                                f"concentration p={recorded.concentration_p_value:.4g}) does not follow from its "
                                f"deficits and the rule: '{derived.test}' (rate p={derived.rate_p_value:.4g}, "

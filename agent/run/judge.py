@@ -9,6 +9,7 @@ import asyncio
 import secrets
 from typing import Callable
 
+from agent.run import budget
 from agent.run.incumbent import Incumbent
 from agent.run.pool import ServerPool, ServerRequest, Starting
 from agent.run.setup import RunSetup
@@ -55,6 +56,8 @@ class Judge:
         self.s, self.task, self.pool, self.emit = setup, setup.task, pool, emit
         self.reference, self.incumbent, self.calibration = reference, incumbent, calibration
         self.dedicated_parity = dedicated_parity
+        self.spent = budget.spent_index(getattr(setup.trace, "path", None)) if setup.task.acceptance.night_alpha else 0
+        """Shares of the night's error budget the trace has recorded (agent/run/budget.py): a resume goes on counting."""
         self.recheck = None
         """agent/run/recheck.py's Recheck where a flagged incumbent is confirmed and taken back (the single-GPU loop);
         without one, a control that fails is only left out as the candidate's reference."""
@@ -116,7 +119,12 @@ class Judge:
             self.emit(report)
             if not report.ok:
                 d = report.divergence
-                raise Rejected("parity", f"prompt {d.prompt_index} diverges at token {d.position}: expected "
+                where = "long request" if report.long_divergence is not None else "prompt"
+                if report.long_divergence is not None:
+                    shape = report.long_requests[d.prompt_index]
+                    where = (f"long request ({shape.input_len} + {shape.max_tokens} tokens"
+                             f"{', production stops' if shape.production else ''})")
+                raise Rejected("parity", f"{where} {d.prompt_index} diverges at token {d.position}: expected "
                                          f"{d.expected}, got {d.got} ({d.got_len}/{d.expected_len} tokens)")
             production = started(starting, len(requests) - 1)
         except BaseException:
@@ -127,7 +135,23 @@ class Judge:
         return production, report.digest
 
     def evaluate(self, trial: Trial, server: Server, files: list[str], audits: list[TokenAudit]) -> Decision:
-        """The benchmark, its token audit and the decision; then each confirmation, while it keeps passing."""
+        """The benchmark, its token audit and the decision; then each confirmation, while it keeps passing. With a
+        night's error budget, the candidate's share is recorded first and sets the interval's level."""
+        night = self.task.acceptance.night_alpha
+        if not night:
+            return self._evaluate(trial, server, files, audits)
+        self.spent += 1
+        share = budget.spend(night, trial.candidate, self.spent)
+        self.emit(share)
+        task = self.task
+        self.task = task.model_copy(update={"acceptance": task.acceptance.model_copy(
+            update={"confidence": share.confidence})})
+        try:
+            return self._evaluate(trial, server, files, audits)
+        finally:
+            self.task = task
+
+    def _evaluate(self, trial: Trial, server: Server, files: list[str], audits: list[TokenAudit]) -> Decision:
         for confirmation in range(self.task.acceptance.confirmations + 1):
             report, outputs, control = self.benchmark(trial, server, files, confirmation)
             if self.task.audit.enabled:

@@ -45,15 +45,10 @@ def check_vllm_install(timeout_s: float = 300) -> None:
 
 
 def check_sandbox(config) -> None:
-    """A Docker backend needs an engine that answers; raises DockerUnavailable."""
-    if config.backend == "docker":
-        from sandbox.docker_backend import connect
+    """The backend's probe (sandbox/registry.py): a Docker engine that answers, namespaces that unshare can make."""
+    from sandbox.registry import BACKENDS
 
-        connect().close()
-    if config.backend == "namespace":
-        from sandbox.namespace import probe
-
-        probe()  # raises NamespaceUnavailable where unshare cannot make the namespaces
+    BACKENDS.get(config.backend).probe(config)
 
 
 def check_checkout(task) -> None:
@@ -77,6 +72,13 @@ def check_run(task) -> None:
     from agent.world.serve_args import check_levers
 
     check_levers(task, installed_vllm()[1])
+
+
+def check_proposer(task, repo) -> list[str]:
+    """The check the task's proposer kind registered (agent/extensions.py), if any: its warnings."""
+    from agent.extensions import PROPOSERS
+
+    return PROPOSERS.get(task.proposer.kind).run_check(task, repo)
 
 
 def check_patches(task, repo) -> list[str]:

@@ -302,7 +302,7 @@ def resume_run(run: str, runs_dir: Path, vllm_version: str | None = None, sandbo
     proposer = make_proposer(setup.task)
     proposer.restore(records)
     if setup.task.sandbox.workers > 1:
-        from agent.run.cluster import preflight
+        from agent.run.parallel import preflight
 
         preflight(setup.task)
     sandbox = sandbox(run_dir) if callable(sandbox) else sandbox or make_sandbox(setup.task.sandbox, run_dir)

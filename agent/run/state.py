@@ -1,5 +1,5 @@
-"""What a run has done and may still do, shared by the single-GPU loop (agent/run/loop.py) and the Ray coordinator
-(agent/run/parallel.py): its history, keeps, best speedup, the one budget check, and a typed end."""
+"""What a run has done and may still do, kept by the coordinator (agent/run/loop.py) for any number of workers: its
+history, keeps, best speedup, the one budget check, and a typed end."""
 from __future__ import annotations
 
 import time

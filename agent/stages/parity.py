@@ -6,10 +6,13 @@ import hashlib
 import json
 import secrets
 
-from agent.stages.completions import ANSWER_ERRORS, Completion, complete_all, draw_prompts
+import numpy as np
+
+from agent.stages.completions import ANSWER_ERRORS, Completion, complete_all, completion_body, draw_prompts, \
+    first_choice
 from sandbox.base import Server
 from traces.errors import NightshiftError
-from traces.schema import Divergence, ParityReport
+from traces.schema import Divergence, LongRequest, ParityReport
 
 
 class ReferenceFailed(NightshiftError, RuntimeError):
@@ -57,9 +60,83 @@ async def check_parity(candidate: int, reference: Server, subject: Server, promp
                         tokens_per_prompt=max_tokens, digest=digest(prompts, got), divergence=divergence)
 
 
+def long_reach(task) -> int:
+    """How far (prompt plus output, in positions) the long requests reach: the benchmark's longest request plus its
+    output and the verify grid's longest, capped at the model's max_model_len (and parity.long_reach if set)."""
+    w, v = task.workload, task.verify
+    want = max(w.input_len + w.output_len, max(v.input_lens) + max(v.output_lens))
+    reach = min(want, task.model.max_model_len)
+    return min(reach, task.parity.long_reach) if task.parity.long_reach else reach
+
+
+def long_shapes(seed: int, count: int, floor: int, reach: int, production_share: float) -> list[LongRequest]:
+    """`count` request shapes drawn with `seed`: the first reaches exactly `reach` positions with EOS ignored, the
+    second is a production request (EOS and a stop token honoured) where count > 1; the rest reach a length drawn
+    uniformly from [floor, reach], production with probability `production_share`. Each output is a quarter to a
+    half of its length, so the generated positions cover the far end."""
+    rng = np.random.default_rng(seed)
+    shapes = []
+    for i in range(count):
+        total = reach if i == 0 else int(rng.integers(min(floor, reach), reach + 1))
+        out = min(total - 1, int(rng.integers(max(1, total // 4), max(1, total // 2) + 1)))
+        production = i == 1 or (i > 1 and bool(rng.random() < production_share))
+        shapes.append(LongRequest(input_len=total - out, max_tokens=out, production=production))
+    return shapes
+
+
+async def _whole(server: Server, body: dict, timeout_s: float) -> tuple[list[int], str]:
+    async with server.client(timeout_s) as client:
+        choice = await first_choice(client, body)
+    return [int(t) for t in choice.get("token_ids") or []], str(choice.get("finish_reason") or "")
+
+
+async def check_long(reference: Server, subject: Server, seed: int, shapes: list[LongRequest], vocab_size: int,
+                     timeout_s: float) -> tuple[list[LongRequest], Divergence | None]:
+    """Each long request, one at a time, on the reference then on the subject; a production request first asks the
+    reference with EOS ignored and stops at a token it drew from the second half of that answer, so the stop is
+    reached. Returns the shapes as sent (with their stop tokens) and the first divergence."""
+    rng = np.random.default_rng(seed ^ 0x5EED)
+    sent, found = [], None
+    for index, shape in enumerate(shapes):
+        prompt = draw_prompts(int(rng.integers(1 << 62)), 1, shape.input_len, vocab_size)[0]
+        body = completion_body(prompt, shape.max_tokens)
+        if shape.production:
+            try:
+                plain, _ = await _whole(reference, body, timeout_s)
+            except ANSWER_ERRORS as exc:
+                raise ReferenceFailed(f"the reference server failed to answer: {type(exc).__name__}: {exc}") from None
+            stop = plain[int(rng.integers(len(plain) // 2, len(plain)))] if plain else 0
+            shape = shape.model_copy(update={"stop_token_ids": [stop]})
+            body = completion_body(prompt, shape.max_tokens, ignore_eos=False, stop_token_ids=[stop])
+        try:
+            expected, want_finish = await _whole(reference, body, timeout_s)
+        except ANSWER_ERRORS as exc:
+            raise ReferenceFailed(f"the reference server failed to answer: {type(exc).__name__}: {exc}") from None
+        sent.append(shape)
+        got, finish = await _whole(subject, body, timeout_s)
+        if found is None and (got != expected or finish != want_finish):
+            position = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b),
+                            min(len(expected), len(got)))
+            found = Divergence(prompt_index=index, position=shape.input_len + position,
+                               expected=expected[position] if position < len(expected) else None,
+                               got=got[position] if position < len(got) else None,
+                               expected_len=len(expected), got_len=len(got))
+    return sent, found
+
+
 def fresh_parity(task, vocab_size: int, reference: Server, candidate: int, subject: Server) -> ParityReport:
-    """The parity gate on freshly drawn prompts: `subject` against the reference, in the task's regime."""
+    """The parity gate on freshly drawn prompts: `subject` against the reference, in the task's regime; then the
+    long requests (parity.long_prompts), of shapes drawn per check from a seed the trace records."""
     p = task.parity
     prompts = draw_prompts(secrets.randbits(63), p.num_prompts, p.input_len, vocab_size)
-    return asyncio.run(check_parity(candidate, reference, subject, prompts, p.max_tokens, p.regime,
-                                    task.benchmark.request_timeout_s))
+    report = asyncio.run(check_parity(candidate, reference, subject, prompts, p.max_tokens, p.regime,
+                                      task.benchmark.request_timeout_s))
+    if not report.ok or not p.long_prompts:
+        return report
+    seed, reach = secrets.randbits(63), long_reach(task)
+    shapes = long_shapes(seed, p.long_prompts, p.input_len + p.max_tokens, reach, p.long_production_share)
+    sent, divergence = asyncio.run(check_long(reference, subject, seed, shapes, vocab_size,
+                                              task.benchmark.request_timeout_s))
+    return report.model_copy(update={"ok": divergence is None, "long_seed": seed, "long_reach": reach,
+                                     "long_requests": sent, "long_divergence": divergence,
+                                     "divergence": divergence})

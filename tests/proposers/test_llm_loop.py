@@ -71,7 +71,7 @@ def test_the_scripted_expert_is_kept_and_review_shows_the_notebook(tmp_path, fak
     assert finished.kept == 1 and audit(setup.run_dir).commits == 1
     entry = next(e for e in trace if e.kind == "notebook")
     assert f"speedup {decision.speedup:.3f}x [{decision.ci_low:.3f}, {decision.ci_high:.3f}]" in entry.summary
-    assert "Learned: kept" in entry.summary
+    assert "Outcome: kept" in entry.summary
     tables = review_tables(setup.run_dir)
     branch = next(t for t in tables if t.title.startswith("branch "))  # after the relaxed checks the fake task names
     assert branch.row_count == 1 and tables[-1].title.startswith("lab notebook")

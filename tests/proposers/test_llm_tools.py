@@ -56,7 +56,7 @@ def test_scripted_exploration_mistake_fix_and_propose(server, checkout, key, tmp
     # the model saw each answer: the 5th request carries the rejection as a tool message
     sent = server.requests[4]["body"]
     assert {t["function"]["name"] for t in sent["tools"]} == {
-        "list_dir", "read_file", "grep", "profile", "notebook", "branch_diff", "propose"}
+        "list_dir", "read_file", "grep", "profile", "notebook", "branch_diff", "candidate", "propose"}
     tool_messages = [m for m in sent["messages"] if m["role"] == "tool"]
     assert tool_messages[-1]["content"] == calls[3].result and tool_messages[-1]["tool_call_id"] == "call_4_0"
     assert sent["messages"][-2]["tool_calls"][0]["function"]["name"] == "propose"
@@ -305,7 +305,7 @@ def test_the_notebook_records_each_candidate_and_later_proposals_see_it(server, 
     assert entry.divergence == "prompt 2 diverged at token 7: 1234 != 99" and entry.stage == "parity"
     assert entry.summary.startswith("Candidate 1: skip the softmax in greedy")
     for part in ("Hypothesis: softmax is monotonic", "Files: vllm/v1/sample/sampler.py", "Reached: discard at parity",
-                 "Divergence: prompt 2 diverged at token 7", "Learned: it changes the output tokens"):
+                 "Divergence: prompt 2 diverged at token 7", "Outcome: it changes the output tokens"):
         assert part in entry.summary
     server.push(turn(call("notebook")), turn(call("propose", summary="vectorize", edits=[{
         "path": "vllm/v1/sample/sampler.py",

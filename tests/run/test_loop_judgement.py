@@ -15,6 +15,7 @@ from agent.replay.evidence import check_decisions
 from agent.run.baseline import AuditNotCalibrated, SetupNotDeterministic
 from agent.run.judge import Judge
 from agent.run.loop import Loop
+from agent.run.worker import Worker
 from agent.stages.parity import ReferenceFailed
 from agent.face.report import write_summary
 from agent.world.task import load_task
@@ -310,14 +311,15 @@ def test_a_pass_whose_client_was_too_busy_is_not_trusted(run):
 def test_a_reference_that_stops_answering_ends_the_run_without_blaming_the_candidate(run):
     setup, loop = run(
                       {"1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster")})
-    original_step = loop.step
+    worker = loop.slots.worker
+    original_evaluate = worker.evaluate
 
-    def step_after_the_reference_died(n):
+    def evaluate_after_the_reference_died(proposal, head):
         loop.baseline.reference.process.kill()
         loop.baseline.reference.process.wait()
-        return original_step(n)
+        return original_evaluate(proposal, head)
 
-    loop.step = step_after_the_reference_died
+    worker.evaluate = evaluate_after_the_reference_died
     with pytest.raises(ReferenceFailed, match="reference server failed to answer"):
         loop.run()
     kinds = [r.event.kind for r in read_trace(setup.run_dir / "trace.jsonl")]
@@ -485,13 +487,13 @@ def test_a_run_that_ends_leaves_no_worktree_registered_in_the_shared_checkout(ru
     setup, loop = run({"1-random.patch": new_file_patch("vllm/fake_mode_1.json", mode("random"), "different tokens"),
                        "2-fast.patch": new_file_patch("vllm/fake_mode_2.json", mode("exact", 0.0025), "faster")})
     seen = []
-    real_step = Loop.step
+    real_evaluate = Worker.evaluate
 
-    def step(self, n):  # while the run goes on, its trees are there (the baseline's, the incumbent's)
+    def evaluate(self, proposal, head):  # while the run goes on, its trees are there (the baseline's, the incumbent's)
         seen.append(len(registered_under(setup.repo.working_dir, setup.run_dir)))
-        return real_step(self, n)
+        return real_evaluate(self, proposal, head)
 
-    monkeypatch.setattr(Loop, "step", step)
+    monkeypatch.setattr(Worker, "evaluate", evaluate)
     run_loop(setup, loop.proposer, quiet=True, sandbox=loop.pool.sandbox)
     assert seen and min(seen) >= 1
     assert registered_under(setup.repo.working_dir, setup.run_dir) == []

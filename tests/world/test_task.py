@@ -58,7 +58,7 @@ def test_flag_space_must_be_inside_the_surface():
 def test_proposer_kind_is_discriminated():
     data = default_data()
     data["proposer"] = {"kind": "queue", "patches": "patches", "space": {}}
-    with pytest.raises(TaskError, match="proposer.queue.space"):
+    with pytest.raises(TaskError, match="proposer.space"):
         parse_task(data)
 
 
