@@ -78,7 +78,18 @@ if config.get("production_crash") and not watched:
     sys.exit("fake_vllm: the production server crashes at startup as configured")
 import_log.write_text("".join(f"{p.relative_to(tree)}\n" for p in [tree / "vllm" / "__init__.py", *mode_files]))
 in_flight = served = streamed = crowded_served = 0
-burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(config.get("idle_burn", 0))]
+
+
+def die_with_this_server() -> None:
+    """A burner ends when the server does, however it was killed (PR_SET_PDEATHSIG), never left spinning."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+
+
+burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=die_with_this_server)
+           for _ in range(config.get("idle_burn", 0))]
 cpu_bound = os.environ.get("FAKE_CPU_BOUND") == "1"
 
 
