@@ -448,7 +448,9 @@ class LlmProposer:
                             seen=self._seen, incumbent_args=dict(ctx.incumbent_args), levers=list(surface.engine_args),
                             lever_values=dict(surface.engine_values),
                             candidates=lambda number: self._candidate_text(ctx, number),
-                            import_timeout_s=self.spec.import_timeout_s,
+                            # importing a candidate's module runs its code on the host: only where its server runs
+                            # there too (backend local), never past a sandbox that contains it (docker, namespace)
+                            import_timeout_s=self.spec.import_timeout_s if self.task.sandbox.backend == "local" else 0.0,
                             hide_env=(self.spec.api_key_env,) if self.spec.api_key_env else (),
                             reflections=convo.reflections)
         budget = self.spec.tool_budget

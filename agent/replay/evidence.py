@@ -95,15 +95,25 @@ def check_decisions(records: list[Record]) -> int:
             _check_decision(event, line, reports, audits, acceptance, audited)
             checked += 1
     last = records[-1].event
-    # the single-GPU loop's runs since the incumbent is checked (a parallel run's coordinator does not audit its head)
-    checks_incumbent = started.task.get("sandbox", {}).get("workers", 1) <= 1 and any(
-        isinstance(r.event, TokenAudit) and r.event.control_verdict is not None for r in records)
-    if checks_incumbent and keeps and isinstance(last, RunFinished) and not last.resumable \
+    if checks_incumbent(records) and keeps and isinstance(last, RunFinished) and not last.resumable \
             and checked_head != keeps[-1][0]:
         raise TraceError(len(records), f"the run finished with candidate {keeps[-1][1]}'s commit "
                                        f"{keeps[-1][0][:12]} at the head, never audited on fresh prompts at its end")
     return checked
 
+
+def checks_incumbent(records: list[Record]) -> bool:
+    """The single-GPU loop's runs since the incumbent is checked (a parallel run's coordinator does not audit its
+    head): each such run that ends with a kept head audits it once more on fresh prompts."""
+    started = records[0].event
+    return started.task.get("sandbox", {}).get("workers", 1) <= 1 and any(
+        isinstance(r.event, TokenAudit) and r.event.control_verdict is not None for r in records)
+
+
+def head_audited_at_end(records: list[Record], head: str) -> bool:
+    """A passing end-of-run audit of `head` (an incumbent audit of candidate 0 naming that commit)."""
+    return any(isinstance(r.event, TokenAudit) and r.event.incumbent and r.event.candidate == 0
+               and r.event.commit == head and audit_passed(r.event) for r in records)
 
 def _check_reverted(event: IncumbentReverted, line: int, keeps: list, incumbent_audits: dict, base: str) -> None:
     """A revert follows from a failing audit of the incumbent on fresh prompts, and takes back the last keep in

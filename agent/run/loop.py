@@ -151,7 +151,8 @@ class Loop:
 
     def run(self) -> RunFinished:
         """A resumed run first records a keep its harness decided but did not record as committed, and one whose
-        budget was spent before the kill skips the baseline phase. Then each worker's baseline phase, and its
+        budget was spent before the kill skips the baseline phase, unless its kept head was never audited at its end:
+        then the baseline phase runs for that audit alone. Then each worker's baseline phase, and its
         incumbent at the branch head (served with its nightshift.serve.yaml's flags)."""
         try:
             self.emit(self.resume.event if self.resume else self.s.run_started())
@@ -160,6 +161,9 @@ class Loop:
                 self.head = self.s.workspace.head()
             if self.resume and self.resume.event.finishing:
                 self.state.end = End("finishing", self.resume.event.finishing)
+                if self.resume.head_unaudited(self.head, self.s.base_commit):
+                    self.slots.start(self.head, self.emit)  # its kept head is audited at the end, as any run's
+                    self.slots.final()
             else:
                 self.slots.start(self.head, self.emit)
                 self.state.end = self.schedule() or End("candidates")

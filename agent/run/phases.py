@@ -32,6 +32,7 @@ AFTER: dict[str, Phase] = {
     "patch_applied": Phase("build", "building"),
     "build": Phase("start", "starting the candidate's servers, then parity"),
     "parity": Phase("benchmark", "benchmarking"),
+    "error_spent": Phase("benchmark", "benchmarking (its share of the night's error budget recorded)"),
     "sample": Phase("benchmark", "benchmarking"),
     "incumbent_restarted": Phase("benchmark", "benchmarking again (the incumbent's server failed and was replaced)"),
     "benchmark": Phase("audit", "auditing"),

@@ -77,6 +77,15 @@ class Resumption:
     pending: PendingKeep | None = None
     proposed_on: dict[int, str] = field(default_factory=dict)
     """The branch head when each candidate was proposed."""
+    records: list[Record] = field(default_factory=list)
+    """The trace as the dead harness left it."""
+
+    def head_unaudited(self, head: str, base: str) -> bool:
+        """A kept head that a run checking its incumbent never audited on fresh prompts at its end: a finishing
+        resume audits it (a baseline phase, then the end-of-run audit) instead of only recording the end."""
+        from agent.replay.evidence import checks_incumbent, head_audited_at_end
+
+        return head != base and checks_incumbent(self.records) and not head_audited_at_end(self.records, head)
 
     def gpu_hours(self, task) -> float:
         """GPU-hours the run's workers held before the kill (all of them, for the wall clock it had used)."""
@@ -292,6 +301,7 @@ def resume_run(run: str, runs_dir: Path, vllm_version: str | None = None, sandbo
     run_dir = arrival.run_dir
     trace = run_dir / "trace.jsonl"
     state = rebuild(records)
+    state.records = records
     try:
         setup = open_run(run_dir, records, vllm_version, lock, checkout)
     except BaseException:

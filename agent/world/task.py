@@ -328,7 +328,8 @@ class LlmProposer(Strict):
     tool_budget: ToolBudget = Field(default_factory=ToolBudget)
     import_timeout_s: float = Field(60, ge=0)
     """`propose` imports the changed modules of a candidate tree on the host, in a subprocess cut after this long
-    (0: no import check; names are still checked)."""
+    (0: no import check; names are still checked). Only with `sandbox.backend: local`, where the candidate's server
+    runs on the host anyway: an import runs the module's code, which a docker or namespace sandbox contains."""
     tool_choice: Literal["auto", "required"] = "auto"
     """With `tools: native`: `required` asks the endpoint to answer every turn with a tool call (vLLM constrains the
     decoding to the tools' JSON schemas), so a model that would write its call as prose or a JSON block cannot;

@@ -199,9 +199,12 @@ def test_a_run_killed_at_a_stage_boundary_resumes_to_the_same_branch(crash, task
         assert mark.pending_keep.startswith("found ")
     kinds = [e.kind for e in events]
     after = kinds[kinds.index("resumed") + 1:]
-    if crash in SPENT:  # no baseline phase: the keep settled (if pending), then the end
-        assert mark.finishing == "budget: candidates" and "self_parity" not in after, after
-        assert after == ["run_finished"] if crash == "after:commit:3" else after == ["commit", "run_finished"]
+    if crash in SPENT:  # the keep settled (if pending); the kept head, never audited at its end, is audited now
+        assert mark.finishing == "budget: candidates", after
+        settled = [] if crash == "after:commit:3" else ["commit"]
+        assert after == settled + ["self_parity", "audit", "audit", "run_finished"], after
+        end_audit = [e for e in events if e.kind == "audit"][-1]
+        assert end_audit.incumbent and end_audit.candidate == 0 and end_audit.commit == events[-1].head_commit
     else:
         assert mark.finishing == "" and after[:2] in (["self_parity", "audit"], ["commit", "self_parity"])
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -283,7 +286,8 @@ def test_a_resume_refused_at_its_start_leaves_the_run_resumable(task_file, unint
 
 @pytest.mark.slow
 def test_resume_detached_returns_at_once_and_the_run_finishes_in_the_background(task_file, uninterrupted, tmp_path):
-    run_dir = start(task_file, tmp_path / "runs", "detached", crash="after:commit:3")  # nothing left but the end
+    # killed as it wrote its end (its kept head audited): nothing left but the end, and no server to start
+    run_dir = start(task_file, tmp_path / "runs", "detached", crash="before:run_finished")
     log = run_dir.parent / f"{run_dir.name}.log"
     log.write_text("the killed harness's output\n")
     proc = cli("run", "--resume", str(run_dir), "--detach")
