@@ -14,11 +14,15 @@ pytest_plugins = ["tests.report_guard", "pytester"]
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-    """A test with the real vLLM or a Docker engine holds the machine: it is `heavy` (one at a time), and `slow` (left
-    out by `scripts/test.sh --fast`). Marked before `-m` selects."""
+    """A test with the real vLLM holds the machine: it is `heavy` (one at a time); a Docker test without it is
+    `contained` (one at a time, beside the heavy tier). Both are `slow` (left out by `scripts/test.sh --fast`).
+    Marked before `-m` selects."""
     for item in items:
-        if item.get_closest_marker("vllm") or item.get_closest_marker("docker"):
+        if item.get_closest_marker("vllm"):
             item.add_marker(pytest.mark.heavy)
+            item.add_marker(pytest.mark.slow)
+        elif item.get_closest_marker("docker"):
+            item.add_marker(pytest.mark.contained)
             item.add_marker(pytest.mark.slow)
 
 

@@ -27,7 +27,7 @@ from sandbox.namespace import IO_ROOT, NamespaceSandbox, NamespaceUnavailable, p
 from tests.hostile.plant import hostile_spec, observed
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.heavy, pytest.mark.slow, pytest.mark.timeout(900)]  # root: namespaces, cgroups
+pytestmark = [pytest.mark.contained, pytest.mark.slow, pytest.mark.timeout(900)]  # root: namespaces, cgroups
 
 
 def hostile(tmp_path: Path, act: str, name: str | None = None, **fields) -> ServerSpec:
