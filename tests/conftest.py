@@ -48,6 +48,24 @@ def vllm_checkout(tmp_path_factory, nightshift_cache) -> Path:
     return path
 
 
+SANDBOX_IMAGE = os.environ.get("NIGHTSHIFT_SANDBOX_IMAGE", "nightshift-sandbox:cpu")
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """The Docker engine, with the sandbox image built (scripts/docker-engine.sh, scripts/docker-image.sh); skipped
+    only when no engine answers."""
+    from sandbox.docker_backend import DockerUnavailable, connect
+
+    try:
+        client = connect()
+    except DockerUnavailable as exc:
+        pytest.skip(str(exc))
+    if not client.images.list(name=SANDBOX_IMAGE):
+        pytest.fail(f"the sandbox image {SANDBOX_IMAGE} is missing: build it with scripts/docker-image.sh")
+    return client
+
+
 @pytest.fixture
 def run_dir(tmp_path):
     """A run folder of its own (sandboxes label what they start with it)."""

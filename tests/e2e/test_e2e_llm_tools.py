@@ -10,7 +10,6 @@ The run is also the CPU task end to end in containers (`sandbox.backend: docker`
 of the sandbox image, so this one run carries what two runs did. Needs a Docker engine and the image
 (scripts/docker-engine.sh, scripts/docker-image.sh), as tests/sandbox/test_docker_sandbox.py does."""
 import json
-import os
 
 import pytest
 
@@ -23,23 +22,10 @@ from scripted_models import GEMMA4, gemma4_adversary, gemma4_expert, numbered
 from tests.e2e.test_e2e_vllm import ROOT, events
 from agent.run.setup import prepare_run
 from agent.world.task import load_task, with_overrides
+from tests.conftest import SANDBOX_IMAGE
 from traces import read_trace
 
 pytestmark = [pytest.mark.vllm, pytest.mark.docker, pytest.mark.timeout(3000)]
-IMAGE = os.environ.get("NIGHTSHIFT_SANDBOX_IMAGE", "nightshift-sandbox:cpu")
-
-
-@pytest.fixture(scope="module")
-def engine():
-    from sandbox.docker_backend import DockerUnavailable, connect
-
-    try:
-        client = connect()
-    except DockerUnavailable as exc:
-        pytest.skip(str(exc))
-    if not client.images.list(name=IMAGE):
-        pytest.fail(f"the sandbox image {IMAGE} is missing: build it with scripts/docker-image.sh")
-    return client
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +41,7 @@ def scripted_run(tmp_path_factory, vllm_checkout, engine):
                               proposer={"kind": "llm", "base_url": server.base_url, "model": "scripted-expert",
                                         "api_key_env": None, "profile": False, "tools": "native",
                                         "request_timeout_s": 30, "max_retries": 0, "repair_turns": 0},
-                              sandbox={"backend": "docker", "image": IMAGE, "memory_gb": 8, "tmpfs_mb": 2048})
+                              sandbox={"backend": "docker", "image": SANDBOX_IMAGE, "memory_gb": 8, "tmpfs_mb": 2048})
         setup = prepare_run(task, tmp_path_factory.mktemp("llm-tools") / "runs")
         loop = Loop(setup, LlmProposer.from_task(task))
         backend = type(loop.pool.sandbox).__name__

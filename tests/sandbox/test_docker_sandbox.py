@@ -19,9 +19,10 @@ import pytest
 
 from agent.world.task import Sandbox as SandboxConfig
 from sandbox.base import SandboxError, ServerSpec
-from sandbox.docker_backend import DockerSandbox, DockerUnavailable, connect
+from sandbox.docker_backend import DockerSandbox
 from sandbox.docker_spec import SANDBOX_UID
 from sandbox.host import cpu_seconds, process_tree, server_pid
+from tests.conftest import SANDBOX_IMAGE
 from tests.hostile.plant import hostile_spec, observed
 
 
@@ -30,19 +31,8 @@ def hostile(tmp_path: Path, act: str, name: str | None = None, **fields) -> Serv
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(900)]
 
-IMAGE = os.environ.get("NIGHTSHIFT_SANDBOX_IMAGE", "nightshift-sandbox:cpu")
+IMAGE = SANDBOX_IMAGE
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def engine():
-    try:
-        client = connect()
-    except DockerUnavailable as exc:
-        pytest.skip(str(exc))
-    if not client.images.list(name=IMAGE):
-        pytest.fail(f"the sandbox image {IMAGE} is missing: build it with scripts/docker-image.sh")
-    return client
 
 
 def config(**overrides) -> SandboxConfig:
