@@ -50,4 +50,9 @@ done
 echo "tests: heavy $(cat "$temp/heavy.s") s; beside it wait-bound $(cat "$temp/wait.s") s, paced $(cat "$temp/paced.s") s," \
      "contained $(cat "$temp/contained.s") s; then serial $(cat "$temp/serial.s") s; whole suite $(( SECONDS - began_all )) s" \
      "(exit $status)"
+if [ "$status" = 0 ] && [ -z "${NIGHTSHIFT_TEST_TMP:-}" ]; then
+  rm -rf "$temp"
+else
+  echo "tests: the tiers' folders (run folders, server logs) are kept in $temp"
+fi
 exit "$status"
