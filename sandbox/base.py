@@ -154,6 +154,11 @@ class Reachable:
     def sync_client(self, timeout: float) -> httpx.Client:
         return self.endpoint.sync_client(timeout)
 
+    def answers_itself(self) -> bool:
+        """Whether what answers at `endpoint` is this server's own process (a backend whose endpoint no other
+        process can take, a socket in the server's own folder or namespace, says yes)."""
+        return True
+
 
 def read_imports(path: Path) -> list[str]:
     """The import recorder's log (sandbox/recorder): the source files imported, once each."""
@@ -173,7 +178,8 @@ HEALTH_POLL_S = 0.5
 
 
 def wait_healthy(server: Server, timeout_s: float, cancel: threading.Event | None = None) -> None:
-    """Until /health answers 200. A server that exits first, is not healthy within `timeout_s`, or whose
+    """Until /health answers 200 from the server's own process (on a port another process holds, the answer is
+    that process's, and the server is not healthy: it will exit when it cannot bind). A server that exits first, is not healthy within `timeout_s`, or whose
     start is called off (`cancel` set), is killed and cleaned up, and SandboxError raised with its logs."""
     deadline, cancel = time.monotonic() + timeout_s, cancel or threading.Event()
     while time.monotonic() < deadline:
@@ -187,7 +193,7 @@ def wait_healthy(server: Server, timeout_s: float, cancel: threading.Event | Non
             outcome = server.kill()
             message = startup_failure(f"server exited during startup (exit code {code})", logs)
             raise SandboxError(outcome if outcome != "ok" else "crash", message, logs)
-        if answers_health(server):
+        if answers_health(server) and server.answers_itself():
             return
         cancel.wait(HEALTH_POLL_S)
     logs = server.logs()

@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from sandbox.base import (Endpoint, Outcome, Reachable, ServerSpec, build_env, read_imports, runtime_env, serve_argv,
-                          wait_healthy)
+from sandbox.base import (Endpoint, Outcome, Reachable, SandboxError, ServerSpec, build_env, read_imports,
+                          runtime_env, serve_argv, wait_healthy)
 from sandbox.config import SandboxConfig
 from sandbox.host import marked_processes, owner_alive, process_identity, running, same_boot, server_marks, stat_fields
 
@@ -28,9 +28,51 @@ PASSED_PREFIXES = ("VLLM_", "NVIDIA_")
 
 
 def free_port() -> int:
+    """A port free now: another process may take it before the server binds it (see LocalSandbox.start)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+LISTEN = "0A"
+"""A TCP socket's state in /proc/net/tcp while it listens."""
+
+
+def listening_sockets(port: int) -> set[str]:
+    """The inodes of the TCP sockets (IPv4 or IPv6) that listen on PORT on any address, from /proc/net/tcp*."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                found.add(fields[9])
+    return found
+
+
+def holds_socket(pids: list[int], inodes: set[str]) -> bool:
+    """Whether one of PIDS has one of the socket INODES open."""
+    wanted = {f"socket:[{inode}]" for inode in inodes}
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(fd) in wanted:
+                    return True
+            except OSError:
+                pass
+    return False
+
+
+ADDRESS_IN_USE = "address already in use"
+PORT_ATTEMPTS = 3
+"""Starts on a fresh port after another process took the last one between its choice and the server's bind."""
 
 
 def server_env(spec: ServerSpec, home: Path, import_log: Path, source_tree: Path, tmp: Path | None = None) -> dict[str, str]:
@@ -68,6 +110,12 @@ class LocalServer(Reachable):
 
     def exit_code(self) -> int | None:
         return self.process.poll()
+
+    def answers_itself(self) -> bool:
+        """Whether the socket listening on this server's port is held by one of its own processes: a port is
+        chosen free, but another process (another run's server, anything on the host) may bind it first, and
+        then /health answers for that process, not this server."""
+        return holds_socket(_group_members(self.process.pid), listening_sockets(self.port))
 
     def alive(self) -> bool:
         return self.exit_code() is None
@@ -112,6 +160,17 @@ class LocalSandbox:
         self.root = Path(run_dir or Path.cwd()) / "servers"
 
     def start(self, spec: ServerSpec, cancel: threading.Event | None = None) -> LocalServer:
+        """A healthy server on a port of its own: a start whose port another process took first (the server
+        exits unable to bind it) is made again on a fresh port, PORT_ATTEMPTS times at most."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                return self._start(spec, cancel)
+            except SandboxError as exc:
+                if attempt == PORT_ATTEMPTS or exc.outcome != "crash" or ADDRESS_IN_USE not in exc.logs.lower():
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start(self, spec: ServerSpec, cancel: threading.Event | None) -> LocalServer:
         home = self.root / spec.name
         shutil.rmtree(home, ignore_errors=True)
         home.mkdir(parents=True)

@@ -7,7 +7,8 @@ answers `prompt_logprobs` (teacher-forced scoring) and `logprobs` (margins) as v
 Its behaviour comes from the source tree it is started on (the last of vllm/fake_mode*.json), so a queued
 patch can turn it into a faster, cheating or nondeterministic candidate:
   exact   - tokens are a pure function of the prompt; `delay_s` per generated token (`slow_delay_s`
-            once `slow_after` completions were served, if set)
+            once `slow_after` completions were served, if set), kept as a pace: token i of a stream is due
+            i * delay_s after the request came, however late the host wakes the server
   short   - like exact, but returns fewer tokens than asked when many requests are in flight
   random  - tokens differ on every call (not reproducible)
   batched - exact while one request is in flight, wrong tokens (the right number) when several are
@@ -96,11 +97,13 @@ cpu_bound = os.environ.get("FAKE_CPU_BOUND") == "1"
 BLOCK = bytes(1 << 20)
 
 
-def wait(seconds: float) -> None:
-    """`seconds` asleep; with FAKE_CPU_BOUND, a fixed amount of work instead (1 MiB hashed per 2 ms asked for,
-    the GIL released while it hashes, so a server's requests compute in parallel as an engine's would)."""
+def wait(seconds: float, due: float) -> None:
+    """Until `due` (time.monotonic()), asleep: a late wake-up on a busy host is made up by the next token, so a
+    sleeping server keeps its pace (`seconds` a token) as a device that does not share the host's cores would;
+    with FAKE_CPU_BOUND, a fixed amount of work for `seconds` instead (1 MiB hashed per 2 ms asked for, the GIL
+    released while it hashes, so a server's requests compute in parallel as an engine's would)."""
     if not cpu_bound:
-        time.sleep(seconds)
+        time.sleep(max(0.0, due - time.monotonic()))
         return
     for _ in range(max(1, round(seconds * 500))):
         hashlib.sha256(BLOCK).digest()
@@ -306,8 +309,9 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Connection", "close")
             self.end_headers()
+            began = time.monotonic()
             for step, (_, token) in enumerate(generate(body["prompt"], count, crowded, picked)):
-                wait(delay_s)
+                wait(delay_s, began + (step + 1) * delay_s)
                 engine_step(1 + (len(body["prompt"]) if step == 0 else 0), delay_s)
                 if frozen and step == count // 2:
                     time.sleep(3600)

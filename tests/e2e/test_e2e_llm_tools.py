@@ -21,7 +21,8 @@ from fake_openai_server import FakeOpenAI
 from scripted_models import GEMMA4, gemma4_adversary, gemma4_expert, numbered
 from tests.e2e.test_e2e_vllm import ROOT, events
 from agent.run.setup import prepare_run
-from agent.world.task import load_task, with_overrides
+from tests.real_vllm import ONE_PROCESS_SETTINGS
+from agent.world.task import load_task, with_overrides, with_settings
 from tests.conftest import SANDBOX_IMAGE
 from traces import read_trace
 
@@ -42,6 +43,7 @@ def scripted_run(tmp_path_factory, vllm_checkout, engine):
                                         "api_key_env": None, "profile": False, "tools": "native",
                                         "request_timeout_s": 30, "max_retries": 0, "repair_turns": 0},
                               sandbox={"backend": "docker", "image": SANDBOX_IMAGE, "memory_gb": 8, "tmpfs_mb": 2048})
+        task = with_settings(task, ONE_PROCESS_SETTINGS)
         setup = prepare_run(task, tmp_path_factory.mktemp("llm-tools") / "runs")
         loop = Loop(setup, LlmProposer.from_task(task))
         backend = type(loop.pool.sandbox).__name__

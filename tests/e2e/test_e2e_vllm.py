@@ -16,6 +16,7 @@ from agent.replay.chain import audit
 from agent.face.report import review_tables, write_summary
 from agent.run.workspace import serve_args_at
 from agent.world.serve_args import SERVE_FILE
+from tests.real_vllm import ONE_PROCESS_FLAGS
 from traces import TraceError, read_trace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,7 +44,7 @@ RUN_SETTINGS = ["--set", "budget.max_candidates=6", "--set", "benchmark.noise_fl
                 "--set", "parity.num_prompts=8",
                 # 16 prompts a pass, 8 pairs: beside the other tiers the two vLLM servers take CPU from each other,
                 # passes spread 2-3x, and with 5 pairs a real 2.4x could miss 1.05 at 95%
-                "--set", "workload.num_prompts=16", "--set", "benchmark.repetitions=8"]
+                "--set", "workload.num_prompts=16", "--set", "benchmark.repetitions=8", *ONE_PROCESS_FLAGS]
 
 
 def cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
@@ -276,7 +277,7 @@ PARALLEL_SETTINGS = [  # one candidate per worker on a small workload: max_num_s
     "--set", "workload.num_prompts=16", "--set", "workload.output_len=16", "--set", "parity.num_prompts=4",
     "--set", "parity.max_tokens=8", "--set", "parity.margin_prompts=4", "--set", "benchmark.noise_floor=false",
     "--set", "benchmark.warmup_requests=2", "--set", "benchmark.max_repetitions=10",
-    "--set", "acceptance.confirmations=0"]
+    "--set", "acceptance.confirmations=0", *ONE_PROCESS_FLAGS]
 """The two workers share the cores, so each benchmark is noisy: up to 10 pairs, until the sequential rule decides."""
 
 

@@ -24,6 +24,7 @@ from sandbox.docker_spec import SANDBOX_UID
 from sandbox.host import cpu_seconds, process_tree, server_pid
 from tests.conftest import SANDBOX_IMAGE
 from tests.hostile.plant import hostile_spec, observed
+from tests.real_vllm import ONE_PROCESS
 
 
 def hostile(tmp_path: Path, act: str, name: str | None = None, **fields) -> ServerSpec:
@@ -248,7 +249,7 @@ def test_real_vllm_serves_a_greedy_completion_in_the_container(engine, vllm_tree
 
     model = ensure_synthetic(ROOT / "tasks" / "models" / "gemma4-tiny" / "config.json", seed=0, dtype="bfloat16")
     spec = ServerSpec(name="real-vllm", labels={"candidate": "baseline"}, source_tree=vllm_tree, model_dir=model.path,
-                      engine_args={"dtype": "bfloat16", "max_model_len": 512, "enforce_eager": True},
+                      engine_args={"dtype": "bfloat16", "max_model_len": 512, "enforce_eager": True, **ONE_PROCESS},
                       env={"VLLM_CPU_KVCACHE_SPACE": "1"}, startup_timeout_s=420)
     sandbox = DockerSandbox(config(memory_gb=8, pids_limit=4096, tmpfs_mb=2048), run_dir)
     started = time.monotonic()

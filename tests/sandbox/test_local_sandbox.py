@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -291,6 +292,65 @@ def test_servers_start_from_the_exported_caches_only(tmp_path):
     seen = json.loads((candidate.home / "seen.json").read_text())
     assert seen["cached"] == [".triton/cache/kernel-baseline"]
     assert sorted(p.name for p in (seed / ".triton" / "cache").iterdir()) == ["kernel-baseline"]
+
+
+class Impostor:
+    """Another process's server on loopback that answers /health 200 (in this test's process, not the server's)."""
+
+    def __enter__(self):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Healthy(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
+        self.port = self.httpd.server_address[1]
+        self.answered = 0
+        original = self.httpd.finish_request
+        self.httpd.finish_request = lambda *a: (setattr(self, "answered", self.answered + 1), original(*a))
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_a_port_taken_before_the_server_binds_it_is_never_taken_for_the_server(tmp_path, monkeypatch):
+    """The port a start chose free is bound first by another process that answers /health: that answer is not
+    the server's; the server exits unable to bind, and the start is made again on a fresh port."""
+    tree = fake_serve_tree(tmp_path / "tree")
+    with Impostor() as impostor:
+        ports = iter([impostor.port])
+        monkeypatch.setattr("sandbox.local.free_port", lambda: next(ports, None) or free_port())
+        server = LocalSandbox(None, tmp_path / "run").start(
+            ServerSpec(name="c1", source_tree=tree, model_dir=tmp_path, startup_timeout_s=30))
+        try:
+            assert server.port != impostor.port and server.answers_itself()
+            with server.sync_client(5) as client:
+                assert client.get("/health").status_code == 200
+        finally:
+            server.stop()
+        assert impostor.answered >= 1  # the first start's health checks reached it, and were not believed
+
+
+def test_a_server_whose_port_another_process_answers_on_is_never_healthy(tmp_path):
+    """A server process that never binds its port, while another process answers /health there: not healthy,
+    killed at the timeout."""
+    with Impostor() as impostor:
+        server = _server(tmp_path, "import time; time.sleep(600)")
+        server.port = impostor.port
+        server.endpoint = type(server.endpoint)(f"http://127.0.0.1:{impostor.port}")
+        assert not server.answers_itself()
+        with pytest.raises(SandboxError, match="timeout: server not healthy after 2s"):
+            wait_healthy(server, 2)
+        assert impostor.answered >= 1
 
 
 def _server(tmp_path, code: str) -> LocalServer:

@@ -25,6 +25,7 @@ from sandbox.base import SandboxError, ServerSpec
 from sandbox.config import SandboxConfig
 from sandbox.namespace import IO_ROOT, NamespaceSandbox, NamespaceUnavailable, probe
 from tests.hostile.plant import hostile_spec, observed
+from tests.real_vllm import ONE_PROCESS
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.contained, pytest.mark.slow, pytest.mark.timeout(900)]  # root: namespaces, cgroups
@@ -403,7 +404,7 @@ def test_real_vllm_serves_a_greedy_completion_in_the_namespace_sandbox(vllm_tree
 
     model = ensure_synthetic(ROOT / "tasks" / "models" / "gemma4-tiny" / "config.json", seed=0, dtype="bfloat16")
     spec = ServerSpec(name="real-vllm", labels={"candidate": "baseline"}, source_tree=vllm_tree, model_dir=model.path,
-                      engine_args={"dtype": "bfloat16", "max_model_len": 512, "enforce_eager": True},
+                      engine_args={"dtype": "bfloat16", "max_model_len": 512, "enforce_eager": True, **ONE_PROCESS},
                       env={"VLLM_CPU_KVCACHE_SPACE": "1"}, startup_timeout_s=420)
     request = {"model": "model", "prompt": [2, 17, 99, 5, 301], "max_tokens": 8, "temperature": 0,
                "return_token_ids": True}
