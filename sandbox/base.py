@@ -124,6 +124,11 @@ class Server(Protocol):
     def kill(self, outcome: Outcome | None = None) -> Outcome:
         """Stop at once, without a grace period, and clean up; returns `outcome`, or how it ended."""
 
+    def hold(self, frozen: bool) -> None:
+        """Freeze every process of the server (frozen), or let them all run on; the harness freezes the idle side
+        of a benchmark while the other side's pass runs (benchmark.hold_idle), and lets the measured side run
+        first. Idempotent; a server that is gone is left alone."""
+
 
 class Sandbox(Protocol):
     """A backend; registered by name in sandbox/registry.py, made as Backend(config, run_dir)."""

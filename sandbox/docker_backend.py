@@ -95,6 +95,17 @@ class DockerServer(Reachable):
         """The container's init as this host sees it (the engine runs here: the socket is a bind mount)."""
         return self.state().get("Pid") or None
 
+    def hold(self, frozen: bool) -> None:
+        """The engine's pause (the container's cgroup frozen: every process in it, however it was started)."""
+        try:
+            state = self.state()
+            if frozen and state.get("Running") and not state.get("Paused"):
+                self.container.pause()
+            elif not frozen and state.get("Paused"):
+                self.container.unpause()
+        except DockerException:
+            pass
+
     def exit_code(self) -> int | None:
         state = self.state()
         if state.get("Running") or state.get("Status") == "created":
@@ -106,6 +117,7 @@ class DockerServer(Reachable):
         if self._final:
             return self._final[0]
         outcome = classify(self.state())
+        self.hold(False)  # a paused container would sit out the grace period with its SIGTERM pending
         try:
             self.container.stop(timeout=STOP_GRACE_S)
         except DockerException:

@@ -31,6 +31,29 @@ def process_tree(pid: int | None) -> set[int]:
     return tree
 
 
+HOLD_ROUNDS = 3
+"""Passes over a server's processes when it is held: a process forked while one pass signals is found by the next."""
+
+
+def hold_processes(find, frozen: bool) -> int:
+    """SIGSTOP (frozen) or SIGCONT every process that `find()` returns, over HOLD_ROUNDS passes; returns how many
+    processes were signalled. A process that is gone, or that this user may not signal, is skipped."""
+    import signal
+
+    sig, done = (signal.SIGSTOP if frozen else signal.SIGCONT), set()
+    for _ in range(HOLD_ROUNDS):
+        todo = set(find()) - done
+        if not todo:
+            break
+        for pid in todo:
+            try:
+                os.kill(pid, sig)
+                done.add(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+    return len(done)
+
+
 def _status(pid: int) -> dict:
     fields = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

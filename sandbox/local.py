@@ -16,7 +16,8 @@ from pathlib import Path
 from sandbox.base import (Endpoint, Outcome, Reachable, SandboxError, ServerSpec, build_env, read_imports,
                           runtime_env, serve_argv, wait_healthy)
 from sandbox.config import SandboxConfig
-from sandbox.host import marked_processes, owner_alive, process_identity, running, same_boot, server_marks, stat_fields
+from sandbox.host import (hold_processes, marked_processes, owner_alive, process_identity, process_tree, running,
+                          same_boot, server_marks, stat_fields)
 
 RECORDER = Path(__file__).parent / "recorder"
 PASSED_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "LD_LIBRARY_PATH",
@@ -111,6 +112,11 @@ class LocalServer(Reachable):
     def exit_code(self) -> int | None:
         return self.process.poll()
 
+    def hold(self, frozen: bool) -> None:
+        """Its process group and its process tree (a process that left the group is still its leader's
+        descendant, unless it was orphaned: the local backend is no containment, see docs/sandbox.md)."""
+        hold_processes(lambda: set(_group_members(self.process.pid)) | process_tree(self.process.pid), frozen)
+
     def answers_itself(self) -> bool:
         """Whether the socket listening on this server's port is held by one of its own processes: a port is
         chosen free, but another process (another run's server, anything on the host) may bind it first, and
@@ -121,6 +127,7 @@ class LocalServer(Reachable):
         return self.exit_code() is None
 
     def stop(self) -> Outcome:
+        self.hold(False)  # a held server would sit out the grace period with its SIGTERM pending
         return self._end(grace_s=15)
 
     def kill(self, outcome: Outcome | None = None) -> Outcome:

@@ -28,7 +28,7 @@ from sandbox.base import (Endpoint, Outcome, Reachable, SandboxError, ServerSpec
                           serve_argv, wait_healthy)
 from sandbox.config import SandboxConfig
 from sandbox.docker_spec import check_not_exposed, slug
-from sandbox.host import open_for_reading, owner_alive, process_identity, start_time
+from sandbox.host import hold_processes, open_for_reading, owner_alive, process_identity, process_tree, start_time
 from sandbox.local import CACHE_DIRS, PASSED_ENV, PASSED_PREFIXES, copy_caches
 from traces.errors import NightshiftError
 
@@ -210,6 +210,12 @@ class NamespaceServer(Reachable):
             self._init_pid = int(children[0]) if children else None
         return self._init_pid
 
+    def hold(self, frozen: bool) -> None:
+        """Every process of its pid namespace: all are descendants of its pid 1 (an orphan is reparented to it)."""
+        pid = self.init_pid()
+        if pid and self.alive():
+            hold_processes(lambda: process_tree(pid), frozen)
+
     def root(self) -> Path | None:
         """The server's root file system, seen from the host (for exporting its caches)."""
         pid = self.init_pid()
@@ -240,6 +246,7 @@ class NamespaceServer(Reachable):
             outcome = self._outcome()
             pid = self.init_pid()
             if pid and self.alive():
+                self.hold(False)  # a held server would sit out the grace period with its SIGTERM pending
                 try:
                     os.kill(pid, signal.SIGTERM)
                     self.process.wait(STOP_GRACE_S)

@@ -40,6 +40,9 @@ Any mode may set `idle_burn: N`: N child processes spin on the CPU whenever the 
 flight, and stop while it has (work done while the other side is measured); with `idle_burn_sly: true` they
 spin only while the rest of the host is busy (read from /proc/stat), so the server is quiet whenever the host
 is, as when a harness waits for both servers to settle, and busy while the other side is measured.
+Any mode may set `stop_others: F`: whenever it has no request in flight, it stops every other server of the run
+(their process groups, from the pid files beside its home) F of each 100 ms: the other side measured slower, at no
+CPU cost to its own server.
 Any mode may set `production_start_s` and `parity_start_s`: a server started without VLLM_BATCH_INVARIANT=1
 (a production server, where parity runs on dedicated batch-invariant ones), or with it, takes that long to
 become healthy, as a compile would; `production_crash`: a production server exits at startup after its wait.
@@ -47,7 +50,8 @@ FAKE_CRASH=NAME[,NAME...] in the environment: the server named NAME exits at sta
 a device would. FAKE_FREEZE=NAME:N[,NAME:N...] in the environment: the server named NAME (its home folder's name) freezes
 mid-stream once it has begun N+1 streamed completions, and never sends another byte (it still answers /health),
 as a wedged engine does. FAKE_CPU_BOUND=1: the per-token delay is spent computing, not sleeping, so a server
-slows when others take its CPU. FAKE_START_S=S: every server waits S seconds before it starts (a slow host).
+slows when others take its CPU. FAKE_UNPACED=1: it sleeps the whole delay after each token, so time a server
+loses (stopped, or woken late) is never made up. FAKE_START_S=S: every server waits S seconds before it starts (a slow host).
 GET /metrics serves vLLM's `vllm:iteration_tokens_total` histogram (_count: engine steps, _sum: tokens): tokens
 generated within one per-token delay of each other count as one engine step, as a batch would; a request's
 prompt counts with its first token. `metrics: false` serves no /metrics (404), as an older vLLM would not.
@@ -92,6 +96,7 @@ def die_with_this_server() -> None:
 burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=die_with_this_server)
            for _ in range(config.get("idle_burn", 0))]
 cpu_bound = os.environ.get("FAKE_CPU_BOUND") == "1"
+unpaced = os.environ.get("FAKE_UNPACED") == "1"
 
 
 BLOCK = bytes(1 << 20)
@@ -103,7 +108,7 @@ def wait(seconds: float, due: float) -> None:
     with FAKE_CPU_BOUND, a fixed amount of work for `seconds` instead (1 MiB hashed per 2 ms asked for, the GIL
     released while it hashes, so a server's requests compute in parallel as an engine's would)."""
     if not cpu_bound:
-        time.sleep(max(0.0, due - time.monotonic()))
+        time.sleep(seconds if unpaced else max(0.0, due - time.monotonic()))
         return
     for _ in range(max(1, round(seconds * 500))):
         hashlib.sha256(BLOCK).digest()
@@ -145,6 +150,31 @@ if name and name in os.environ.get("FAKE_CRASH", "").split(","):
     sys.exit(f"fake_vllm: {name} crashing at startup (FAKE_CRASH)")
 if config.get("idle_burn_sly") and burners:
     threading.Thread(target=sly, daemon=True).start()
+
+
+def stop_others(share: float) -> None:
+    """While this server has no request in flight, every other server of the run (the pid files beside its home
+    name their process groups) is stopped `share` of each 100 ms, then let run: SIGSTOP costs this server no CPU."""
+    home = Path(os.environ["NIGHTSHIFT_SERVER_HOME"])
+    while True:
+        groups = []
+        if in_flight == 0:
+            for pid_file in home.parent.glob("*/pid"):
+                try:
+                    groups += [int(pid_file.read_text())] if pid_file.parent != home else []
+                except (OSError, ValueError):
+                    pass
+        for sig, pause in ((signal.SIGSTOP, share), (signal.SIGCONT, 1 - share)):
+            for group in groups:
+                try:
+                    os.killpg(group, sig)
+                except OSError:
+                    pass
+            time.sleep(0.1 * pause)
+
+
+if config.get("stop_others"):
+    threading.Thread(target=stop_others, args=(config["stop_others"],), daemon=True).start()
 freeze_after = {k: int(v) for k, _, v in (e.partition(":") for e in os.environ.get("FAKE_FREEZE", "").split(",") if e)}.get(name)
 
 

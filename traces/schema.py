@@ -214,6 +214,8 @@ class Sample(BaseModel):
     neighbour_cpu_s: float | None = None
     """CPU time the other side's server (idle, waiting its turn) used during this pass, from /proc; None where
     the harness cannot see its processes."""
+    neighbour_held: bool | None = None
+    """Whether the other side's server was frozen for this pass (benchmark.hold_idle); None in older traces."""
     settle_s: float | None = None
     """Seconds the harness waited before the pass for both servers to go quiet (benchmark.settle_s)."""
     engine_steps: int | None = None

