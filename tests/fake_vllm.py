@@ -49,7 +49,8 @@ become healthy, as a compile would; `production_crash`: a production server exit
 FAKE_CRASH=NAME[,NAME...] in the environment: the server named NAME exits at startup, as one whose host lost
 a device would. FAKE_FREEZE=NAME:N[,NAME:N...] in the environment: the server named NAME (its home folder's name) freezes
 mid-stream once it has begun N+1 streamed completions, and never sends another byte (it still answers /health),
-as a wedged engine does. FAKE_CPU_BOUND=1: the per-token delay is spent computing, not sleeping, so a server
+as a wedged engine does. FAKE_PACE=NAME:S[,NAME:S...]: the server named NAME takes S seconds a token, whatever its
+mode says (a server that a host runs faster or slower than its twin). FAKE_CPU_BOUND=1: the per-token delay is spent computing, not sleeping, so a server
 slows when others take its CPU. FAKE_UNPACED=1: it sleeps the whole delay after each token, so time a server
 loses (stopped, or woken late) is never made up. FAKE_START_S=S: every server waits S seconds before it starts (a slow host).
 GET /metrics serves vLLM's `vllm:iteration_tokens_total` histogram (_count: engine steps, _sum: tokens): tokens
@@ -175,6 +176,7 @@ def stop_others(share: float) -> None:
 
 if config.get("stop_others"):
     threading.Thread(target=stop_others, args=(config["stop_others"],), daemon=True).start()
+paced_as = {k: float(v) for k, _, v in (e.partition(":") for e in os.environ.get("FAKE_PACE", "").split(",") if e)}.get(name)
 freeze_after = {k: int(v) for k, _, v in (e.partition(":") for e in os.environ.get("FAKE_FREEZE", "").split(",") if e)}.get(name)
 
 
@@ -325,7 +327,7 @@ class Handler(BaseHTTPRequestHandler):
             picked = crowded and sparse(crowded_served)
             poisoned = config["mode"] == "poison" and crowded and crowded_served % config.get("poison_every", 64) == 0
             gone_wrong = gone_wrong or served > config.get("wrong_after", served)
-            delay_s = config.get("delay_s", 0.002)
+            delay_s = paced_as if paced_as is not None else config.get("delay_s", 0.002)
             if served > config.get("slow_after", served):
                 delay_s = config["slow_delay_s"]
         try:

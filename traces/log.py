@@ -36,8 +36,22 @@ def _blank_hash(line: bytes) -> tuple[str, str]:
     return claimed, hashlib.sha256(blank).hexdigest()
 
 
+_appending = 0
+_deferred: list[BaseException] = []
+
+
+def interrupt(exc: BaseException) -> None:
+    """Raise `exc` now, or, while a record is being written, as soon as it is whole and counted: a signal handler's
+    way out of a run (SIGTERM), so the record that closes the run never repeats a sequence number."""
+    if _appending:
+        _deferred.append(exc)
+        return
+    raise exc
+
+
 class TraceWriter:
-    """Writes one record per event, flushed and fsynced before `append` returns."""
+    """Writes one record per event, flushed and fsynced before `append` returns. A signal handler that stops the
+    run calls `interrupt`, which waits for the record being written."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -49,6 +63,18 @@ class TraceWriter:
         self._file = open(self.path, "ab")
 
     def append(self, event: AnyEvent) -> str:
+        global _appending
+        _appending += 1
+        try:
+            return self._append(event)
+        finally:
+            _appending -= 1
+            if not _appending and _deferred:
+                exc = _deferred.pop(0)
+                _deferred.clear()
+                raise exc
+
+    def _append(self, event: AnyEvent) -> str:
         record = Record(seq=self.seq, time=time.time(), prev_sha256=self.last_sha256, event=event)
         record.sha256 = hashlib.sha256(record.model_dump_json().encode()).hexdigest()
         line = record.model_dump_json().encode() + b"\n"

@@ -691,12 +691,29 @@ class RunFinished(Event):
     """The run was stopped (a check refused, a signal), not ended: `nightshift run --resume` goes on from here."""
 
 
+class NullCheck(Event):
+    """The gate tried on a null (acceptance.null_every, with night_alpha): the incumbent benchmarked against a second
+    server of itself at the level of the last candidate's share of the night's budget. A keep here is a false keep
+    of the gate itself; it is reported, and replay re-derives the estimate and the verdict from the samples."""
+
+    kind: Literal["null_check"] = "null_check"
+    index: int
+    """The budget index (error_spent) whose level the check ran at."""
+    report: BenchReport | None
+    """The A/A's benchmark: its samples, estimate and interval at that level (candidate 0); None if it failed."""
+    min_speedup: float
+    false_keep: bool
+    """The interval lies wholly above min_speedup: the gate would have kept a change that changes nothing."""
+    failed: str = ""
+    """Why the check could not be made (its second server did not start, a pass failed); the run goes on."""
+
+
 AnyEvent = Annotated[
     Union[
         RunStarted, SelfParity, Proposal, PatchApplied, Build, ParityReport, SampleTaken, BenchReport, TokenAudit,
         Decision,
         Commit, LlmCall, ToolCall, NotebookEntry, ProposalInvalid, NoiseFloor, Resumed, Remeasured, IncumbentRestarted,
-        IncumbentReverted, Reverted, DuplicateDropped, RunFinished, ErrorSpent,
+        IncumbentReverted, Reverted, DuplicateDropped, RunFinished, ErrorSpent, NullCheck,
     ],
     Field(discriminator="kind"),
 ]

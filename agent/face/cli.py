@@ -39,7 +39,10 @@ TASK_HELP = (f"a built-in task by name, or a task YAML by path (default: {DEFAUL
 
 
 def _terminate(signum, frame):
-    raise SystemExit(128 + signum)
+    """SIGTERM (a spot host's notice): the run stops resumable; a record being written is finished first."""
+    from traces.log import interrupt
+
+    interrupt(SystemExit(128 + signum))
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

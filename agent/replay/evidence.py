@@ -16,8 +16,8 @@ from agent.world.task import Acceptance, Audit, Benchmark
 from agent.stages.token_audit import EPSILON_NATS, audit_passed, calibration_refusal, judge
 from traces import TraceError
 from agent.run import budget
-from traces.schema import (BenchReport, Commit, Decision, ErrorSpent, IncumbentReverted, Record, Remeasured, Resumed, Reverted,
-                           RunFinished, RunStarted, TokenAudit)
+from traces.schema import (BenchReport, Commit, Decision, ErrorSpent, IncumbentReverted, NullCheck, Record,
+                           Remeasured, Resumed, Reverted, RunFinished, RunStarted, TokenAudit)
 
 TOLERANCE = 1e-9
 
@@ -57,6 +57,12 @@ def check_decisions(records: list[Record]) -> int:
                                        f"{event.index}, alpha {event.alpha:.4g}, spent {event.spent:.4g}) is not the "
                                        f"task's: index {spent}, alpha {derived.alpha:.4g}, spent {derived.spent:.4g}")
             shares[event.candidate] = event.confidence
+        if isinstance(event, NullCheck) and event.report is not None:
+            level = budget.spend(acceptance.night_alpha or 0.0, 0, event.index).confidence
+            _check_report(event.report, acceptance.model_copy(update={"confidence": level}), line, planned, estimator)
+            if event.false_keep != accepts(event.report.ci_low, acceptance.min_speedup):
+                raise TraceError(line, f"the null check at index {event.index} says false_keep={event.false_keep}, "
+                                       f"but its interval's low end {event.report.ci_low:.3f} says otherwise")
         if isinstance(event, Decision) and event.verdict == "keep":
             speedups[record.sha256] = event.speedup or 1.0
         elif isinstance(event, Commit):

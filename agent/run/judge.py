@@ -24,7 +24,8 @@ from agent.stages.surface import engine_args_violation, surface_violation
 from agent.stages.token_audit import audit_passed, describe, run_audit
 from sandbox.base import SandboxError, Server
 from sandbox.host import describe_snapshot, server_snapshot
-from traces.schema import BenchReport, Decision, PatchApplied, Proposal, SampleTaken, Stage, TokenAudit
+from traces.schema import (BenchReport, Decision, NullCheck, PatchApplied, Proposal, SampleTaken, Stage,
+                           TokenAudit)
 
 
 class Remeasure(Exception):
@@ -58,6 +59,8 @@ class Judge:
         self.dedicated_parity = dedicated_parity
         self.spent = budget.spent_index(getattr(setup.trace, "path", None)) if setup.task.acceptance.night_alpha else 0
         """Shares of the night's error budget the trace has recorded (agent/run/budget.py): a resume goes on counting."""
+        self.nulls_checked = self.spent
+        """The budget index of the last null check (acceptance.null_every); a resumed run checks from its next one."""
         self.recheck = None
         """agent/run/recheck.py's Recheck where a flagged incumbent is confirmed and taken back (the single-GPU loop);
         without one, a control that fails is only left out as the candidate's reference."""
@@ -150,6 +153,42 @@ class Judge:
             return self._evaluate(trial, server, files, audits)
         finally:
             self.task = task
+
+    def null_due(self) -> bool:
+        """A null check is due: the night's budget is on and the last first benchmark was the null_every-th."""
+        a = self.task.acceptance
+        return bool(a.night_alpha and a.null_every and self.spent and self.spent % a.null_every == 0
+                    and self.nulls_checked < self.spent)
+
+    def null_check(self) -> NullCheck:
+        """The incumbent against a second server of its own tree and args, at the level of the last candidate's
+        share of the night's budget (no share is spent on it); the second server is released afterwards."""
+        a = self.task.acceptance
+        level = budget.spend(a.night_alpha, 0, self.spent).confidence
+        task = self.task.model_copy(update={"acceptance": a.model_copy(update={"confidence": level})})
+        self.nulls_checked = self.spent
+        try:
+            twin = self.pool.start([ServerRequest(f"null-{self.spent}", self.incumbent.tree, self.incumbent.args)])[0]
+        except SandboxError as exc:
+            return self._null_failed(f"its second server did not start: {exc}")
+        try:
+            seeds = [secrets.randbits(63) for _ in range(task.benchmark.repetitions + 1)]
+            result = asyncio.run(bench.compare(task, self.incumbent.server, twin, self.s.vocab_size, seeds))
+        except (bench.WorkMismatch, bench.HarnessBound, bench.IdleWork, bench.PassFailed, *ANSWER_ERRORS) as exc:
+            return self._null_failed(f"its benchmark failed: {exc}")
+        finally:
+            self.pool.release(twin)
+        report = bench.report(0, task, result.samples, result.estimate, None, result.note)
+        event = NullCheck(index=self.spent, report=report, min_speedup=a.min_speedup,
+                          false_keep=accepts(report.ci_low, a.min_speedup))
+        self.emit(event)
+        return event
+
+    def _null_failed(self, why: str) -> NullCheck:
+        event = NullCheck(index=self.spent, report=None, min_speedup=self.task.acceptance.min_speedup,
+                          false_keep=False, failed=why)
+        self.emit(event)
+        return event
 
     def _evaluate(self, trial: Trial, server: Server, files: list[str], audits: list[TokenAudit]) -> Decision:
         for confirmation in range(self.task.acceptance.confirmations + 1):

@@ -209,6 +209,10 @@ class Worker:
                     server, tree = trial.hand_over(production)
                     self.pending = (server, tree, {"candidate": n, "args": args})
             break
+        if self.judge.null_due():
+            self.stage = "null check"
+            self.status()
+            self.judge.null_check()
         self.stage = "idle"
         self.status()
         return WorkerResult(worker=self.index, candidate=n, measured_against=self.head, decision=decision,

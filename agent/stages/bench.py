@@ -350,5 +350,6 @@ def report(candidate: int, task: Task, samples: list[Sample], estimate: SpeedupE
            confirmation: int = 0):
     return BenchReport(candidate=candidate, metric=sample_metric(task), samples=samples,
                        speedup=estimate.speedup, ci_low=estimate.ci_low, ci_high=estimate.ci_high,
-                       confidence=estimate.confidence, p_value=estimate.p_value, liveness=proof.liveness,
+                       confidence=estimate.confidence, p_value=estimate.p_value,
+                       liveness=proof.liveness if proof is not None else None,
                        output_check=note, confirmation=confirmation, sequential=estimate.sequential)

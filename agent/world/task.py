@@ -158,8 +158,9 @@ class Acceptance(Strict):
     so the sum over any number of candidates stays below night_alpha; each share is recorded (`error_spent`) before
     its benchmark, and replay re-derives it. Unset: every candidate at `confidence`, and the night unbounded."""
     null_every: int = Field(10, ge=0)
-    """With night_alpha: every this many candidates, the incumbent is benchmarked against itself at the gate's
-    current level (`null_check`): a keep there is a false keep on a null. 0: none."""
+    """With night_alpha: after every this many candidates' first benchmarks, the incumbent is benchmarked against a
+    second server of itself at the level of the last one's share (`null_check`, agent/run/judge.py): a keep there
+    is a false keep of the gate on a null, reported by `review` and re-derived by replay. 0: none."""
     estimator: Literal["trimmed-20", "mean-t"] = "trimmed-20"
     """The location and interval the benchmark's rule reads (agent/stages/stats.py ESTIMATORS): the 20% trimmed
     mean with Yuen's interval, which one slow pass cannot move, or the mean with a t interval (the former rule;

@@ -91,3 +91,36 @@ def test_the_stage_order_is_the_loops_a_liveness_rejection_was_benchmarked():
     assert got_through(live, "benchmark") and got_through(live, "parity") and not got_through(live, "audit")
     audited = Decision(candidate=2, verdict="discard", stage="audit", reason="hard bound")
     assert got_through(audited, "benchmark") and not got_through(audited, "audit")
+
+
+def test_a_sigterm_while_a_record_is_written_stops_after_it_and_the_closing_record_follows_it(tmp_path, monkeypatch):
+    """What a spot host's notice can do: SIGTERM arrives while a record is being written (its bytes on disk, not yet
+    counted). The run's handler stops the run only once the record is whole and counted, so the record the run
+    closes with (a `finally`) follows it: no repeated sequence number, an unbroken chain."""
+    import os
+    import signal
+
+    from agent.face.cli import _terminate
+    from traces.log import TraceWriter as Writer
+
+    path = tmp_path / "trace.jsonl"
+    writer = TraceWriter(path)
+    writer.append(started())
+    real_write = Writer._write
+
+    def write_then_signalled(self, data):
+        real_write(self, data)
+        if b'"kind":"proposal"' in data:
+            os.kill(os.getpid(), signal.SIGTERM)  # its handler runs here, before append has counted the record
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    monkeypatch.setattr(Writer, "_write", write_then_signalled)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            writer.append(Proposal(candidate=1, proposer="queue", summary="p1"))
+        writer.append(Decision(candidate=1, verdict="timeout", stage="start", reason="stopped"))  # the closing one
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        writer.close()
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert [r.seq for r in read_trace(path)] == [0, 1, 2]

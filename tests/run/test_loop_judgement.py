@@ -513,6 +513,41 @@ def test_a_candidate_that_stops_the_incumbent_while_it_is_measured(run, monkeypa
     assert loop.pool.running == [] and stopped_once(loop)
 
 
+@pytest.mark.parametrize("twin", ["alike", "faster"])
+@pytest.mark.slow
+@pytest.mark.paced  # a 4x keep and a 4x null of fake servers
+def test_the_gate_is_tried_on_a_null_every_few_candidates_and_replay_rederives_it(run, monkeypatch, twin):
+    """With a night's error budget and acceptance.null_every 2, after the second candidate's first benchmark the
+    incumbent is benchmarked against a second server of itself at that candidate's level (`null_check`): alike, the
+    gate keeps nothing; a twin that its host runs 4x faster (FAKE_PACE) is a false keep of the gate on a null,
+    recorded as such. Replay re-derives the check and refuses a record whose verdict was turned."""
+    if twin == "faster":
+        monkeypatch.setenv("FAKE_PACE", "null-2:0.0025")
+    same = mode("exact", 0.01)
+    setup, loop = run({"1-same.patch": new_file_patch("vllm/fake_mode_1.json", same, "no faster"),
+                       "2-same.patch": new_file_patch("vllm/fake_mode_2.json", same, "no faster either")},
+                      acceptance={"night_alpha": 0.05, "null_every": 2, "min_speedup": 1.05},
+                      workload={"output_len": 48})  # passes of ~0.5 s: a scheduling hiccup on a busy host is small
+    finished = loop.run()
+    records = read_trace(setup.run_dir / "trace.jsonl")
+    events = [r.event for r in records]
+    shares = [e for e in events if e.kind == "error_spent"]
+    nulls = [e for e in events if e.kind == "null_check"]
+    assert [s.index for s in shares] == [1, 2] and [n.index for n in nulls] == [2], [e.kind for e in events]
+    null = nulls[0]
+    assert not null.failed and null.report.confidence == pytest.approx(shares[1].confidence)
+    assert null.false_keep is (twin == "faster"), (null.report.speedup, null.report.ci_low)
+    if twin == "faster":
+        assert null.report.speedup > 2
+    assert finished.kept == 0 and check_decisions(records) == 2
+    turned = [r.model_copy(deep=True) for r in records]
+    target = next(r for r in turned if r.event.kind == "null_check")
+    target.event.false_keep = not target.event.false_keep
+    with pytest.raises(TraceError, match=f"trace line {target.seq + 1}: the null check at index 2"):
+        check_decisions(turned)
+    assert loop.pool.running == [] and stopped_once(loop)
+
+
 def registered_under(repo_path: Path, root: Path) -> list[str]:
     listing = git.Repo(repo_path).git.worktree("list", "--porcelain").splitlines()
     return [l.split(" ", 1)[1] for l in listing if l.startswith("worktree ") and str(root) in l]
