@@ -30,7 +30,7 @@ CHROMIUM, DRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 GRID = dict(input_lens=[8, 16, 120], output_lens=[32], concurrency=[1, 4])
 
 
-pytestmark = [pytest.mark.paced, pytest.mark.slow]  # paced: verify's speedup bounds (a 4x faster head) and headless
+pytestmark = [pytest.mark.paced, pytest.mark.slow, pytest.mark.xdist_group("report")]  # paced: verify's speedup bounds (a 4x faster head) and headless
 # Chromium
 
 

@@ -240,7 +240,10 @@ def test_dedicated_parity_servers_start_beside_the_production_ones(run):
     records = read_trace(setup.run_dir / "trace.jsonl")
     taken = [r.event.sample for r in records if r.event.kind == "sample" and r.event.confirmation == 0]
     report = next(r.event for r in records if r.event.kind == "benchmark")
-    assert len(taken) == 10 and taken == report.samples  # each pass is on disk as soon as it is measured
+    # each pass is on disk as soon as it is measured; the report adds the off-schedule flags, known once all are in
+    as_taken = [s.model_copy(update={"flags": [f for f in s.flags if not f.startswith("off schedule")]})
+                for s in report.samples]
+    assert len(taken) == 10 and taken == as_taken
     assert all(0 < sample.client_busy <= 1 and sample.client_cpu_s > 0 for sample in taken)
 
 
@@ -336,7 +339,8 @@ def test_a_win_must_repeat_in_an_independent_confirmation(run):
     setup, loop = run({
         "1-fading.patch": new_file_patch("vllm/fake_mode_1.json", fading, "faster once"),
         "2-fast.patch": new_file_patch("vllm/fake_mode_2.json", mode("exact", 0.0025), "faster"),
-    }, acceptance={"min_speedup": 1.02, "confidence": 0.95, "confirmations": 1})
+    }, acceptance={"min_speedup": 1.02, "confidence": 0.95, "confirmations": 1},
+        workload={"output_len": 48})  # passes of 0.1-0.5 s: a scheduling hiccup of a busy host is small beside them
     finished = loop.run()
     records = [r.event for r in read_trace(setup.run_dir / "trace.jsonl")]
     reports = {(e.candidate, e.confirmation): e for e in records if e.kind == "benchmark"}
