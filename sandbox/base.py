@@ -243,9 +243,11 @@ ENV = "env."
 """A serving arg named `env.NAME` is the server's environment variable NAME."""
 
 
-def split_serve_args(args: dict) -> tuple[dict, dict[str, str]]:
-    """(`vllm serve` engine args, environment variables) for a server's args."""
-    cli, env, nested = {}, {}, {}
+def nest_serve_args(args: dict) -> tuple[dict, dict[str, str]]:
+    """(engine args, environment variables) for a server's args: `env.NAME` keys become variables, and dotted keys
+    (`compilation_config.cudagraph_mode`) values inside their top-level argument, a dict (merged with a value given
+    for that argument whole, as a dict or its JSON)."""
+    plain, env, nested = {}, {}, {}
     for key, value in args.items():
         if key.startswith(ENV):
             if value is not None:
@@ -258,11 +260,17 @@ def split_serve_args(args: dict) -> tuple[dict, dict[str, str]]:
                     node = node.setdefault(part, {})
                 node[path[-1]] = value
         else:
-            cli[key] = value
+            plain[key] = value
     for top, values in nested.items():
-        base = cli.get(top)
-        cli[top] = json.dumps({**(json.loads(base) if isinstance(base, str) else base or {}), **values}, sort_keys=True)
-    return cli, env
+        base = plain.get(top)
+        plain[top] = {**(json.loads(base) if isinstance(base, str) else base or {}), **values}
+    return plain, env
+
+
+def split_serve_args(args: dict) -> tuple[dict, dict[str, str]]:
+    """(`vllm serve` engine args, environment variables) for a server's args: a nested argument as its JSON."""
+    plain, env = nest_serve_args(args)
+    return {k: json.dumps(v, sort_keys=True) if isinstance(v, dict) else v for k, v in plain.items()}, env
 
 
 def serve_argv(spec: ServerSpec) -> list[str]:

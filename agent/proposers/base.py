@@ -30,6 +30,15 @@ class ProposalContext:
     branch_diff: str = ""
     record: Callable[[AnyEvent], str] = lambda event: ""
     """Append an event (e.g. an LLM call) to the trace; returns its sha256."""
+    run_dir: Path | None = None
+    """The run's folder, for a proposer that reads how the run stands: its `trace.jsonl` (the incumbent's benchmarks)
+    and START_LOG."""
+
+
+START_LOG = "production-start.log"
+"""The baseline production server's log at its start (attention backend, compile mode, CUDA-graph sizes), which the
+baseline phase saves in the run's folder: a server's own log is gone with a container, and a parallel run's are under
+its workers' folders."""
 
 
 class ProposerExhausted(Exception):

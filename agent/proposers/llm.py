@@ -42,6 +42,7 @@ from agent.proposers.clients import (
     complete_with_retries, estimate_tokens, expand_messages, message_delta, messages_tokens, tools_unsupported,
 )
 from agent.proposers import notebook, tools
+from agent.proposers.machine import machine_text
 from agent.proposers.base import Attempt, ProposalContext, ProposerExhausted
 from agent.proposers.edits import EditError, Patch, make_patch
 from agent.proposers.funnel import Funnel, llm_funnel
@@ -93,8 +94,7 @@ class LlmProposer:
     name = "llm"
 
     def __init__(self, spec: LlmSpec, task: Task, model: Model | None = None,
-                 profile: Any = None, profile_loader: Callable[[Task], Any] | None = None,
-                 sleep: Callable[[float], None] | None = None):
+                 profile: Any = None, sleep: Callable[[float], None] | None = None):
         self.spec, self.task = spec, task
         self.model: Model = model if model is not None else OpenAIModel(
             endpoint(spec), served_model(spec), spec.api_key_env, timeout_s=spec.request_timeout_s,
@@ -106,8 +106,11 @@ class LlmProposer:
         key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
         self.redactor = Redactor([key])
         self.profile = profile
-        self._profile_loader = profile_loader
-        self._profile_tried = profile is not None or not spec.profile
+        """The incumbent's profile (agent/proposers/profile.py), its text where it could not be taken, or as given."""
+        self._profile_fixed = profile is not None or not spec.profile
+        self._profile_key: str | None = None
+        """The profiled request's key: the tree's content, the incumbent's args, the workload (profile.request_key)."""
+        self._model_path: Path | None = None
         self._sleep = sleep
         self.tokens_in = 0
         self.tokens_out = 0
@@ -229,7 +232,7 @@ class LlmProposer:
 
     # ------------------------------------------------------------------------------- propose
     def propose(self, ctx: ProposalContext) -> Proposal:
-        self._ensure_profile()
+        self._ensure_profile(ctx)
         self._emit = ctx.record
         if self.spec.tools != "off":
             return self._propose_with_tools(ctx)
@@ -624,6 +627,7 @@ class LlmProposer:
             "profile": _clip(self._profile_text(), self.spec.context_tokens * 0.2),
             "notebook": _clip(self._notebook_text(), self.spec.context_tokens * 0.2),
             "levers": _levers(task, ctx.incumbent_args),
+            "machine": self._machine_text(ctx),
             "reflect": "",
         }
         target = self._reflect_target()
@@ -646,19 +650,32 @@ class LlmProposer:
                                                 detail=(detail[:2000] + "\n") if detail else "")
 
     # ------------------------------------------------------------------------------- context
-    def _ensure_profile(self) -> None:
-        if self._profile_tried:
+    def _ensure_profile(self, ctx: ProposalContext) -> None:
+        """The incumbent tree's profile, taken again when the tree or its args change (cached by content). A
+        candidate's code runs on the host only where its servers do (sandbox.backend local): behind another sandbox
+        the installed vLLM, the baseline, is profiled. In a parallel run only the first is taken: a later one would
+        share a GPU with a benchmark in flight."""
+        if self._profile_fixed or (self._profile_key is not None and self.task.sandbox.workers > 1):
             return
-        self._profile_tried = True
-        try:
-            if self._profile_loader is not None:
-                self.profile = self._profile_loader(self.task)
-            else:
-                from agent.proposers.profile import load_or_run
+        from agent.proposers.profile import load_or_run, profile_request, request_key
+        from agent.world.checkpoint import prepare_model
 
-                self.profile = load_or_run(self.task)
+        try:
+            if self._model_path is None:
+                self._model_path = prepare_model(self.task).path
+            tree = Path(ctx.checkout) if self.task.sandbox.backend == "local" else None
+            request = profile_request(self.task, self._model_path, tree, dict(ctx.incumbent_args))
+            if request_key(request) == self._profile_key:
+                return
+            self._profile_key = request_key(request)  # a profile that fails is not tried again for the same tree
+            self.profile = load_or_run(request)
         except Exception as exc:  # a missing profile makes the prompt poorer, not the run impossible
+            self._profile_key = self._profile_key or "unavailable"
             self.profile = f"(no profile: {type(exc).__name__}: {str(exc)[:300]})"
+
+    def _machine_text(self, ctx: ProposalContext) -> str:
+        device = getattr(self.profile, "device", "")
+        return _clip(machine_text(self.task, ctx.run_dir, device), self.spec.context_tokens * 0.12)
 
     def _profile_text(self) -> str:
         if self.profile is None:
@@ -715,6 +732,7 @@ class LlmProposer:
             "parity": f"{task.parity.num_prompts} prompts, {task.parity.max_tokens} greedy tokens each",
             "best_speedup": f"{ctx.best_speedup:.3f}",
             "engine_args": json.dumps(ctx.incumbent_args, sort_keys=True),
+            "machine": self._machine_text(ctx),
             "profile": _clip(self._profile_text(), budget * 0.12),
             "history": _clip(self._history_text(ctx), budget * 0.12),
             "branch_diff": _clip(ctx.branch_diff.strip() or "(none yet: the files are vLLM as released)",

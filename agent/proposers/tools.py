@@ -186,8 +186,9 @@ TOOLS: dict[str, tuple[type[Args], str]] = {
     "read_file": (ReadArgs, f"Read a file of the incumbent tree, or a line range of it (at most {READ_LINES} lines "
                             f"a call). Lines are shown as 'N| text': the 'N| ' prefix is not part of the file."),
     "grep": (GrepArgs, "Search the incumbent tree's files for a regular expression: file:line: text."),
-    "profile": (NoArgs, "The baseline's profile: the hottest vLLM functions (file:line, self and cumulative "
-                        "seconds) and torch ops."),
+    "profile": (NoArgs, "The incumbent's profile at the benchmark's concurrency: the hottest vLLM functions "
+                        "(file:line, self and cumulative seconds), and the GPU kernels by device time (on the CPU, "
+                        "the torch ops)."),
     "notebook": (NoArgs, "The lab notebook: every earlier candidate's hypothesis, files, stage reached, speedup "
                          "and interval, and what was learned."),
     "branch_diff": (NoArgs, "The changes already kept on the run's branch (the tree already includes them)."),

@@ -5,10 +5,12 @@ checked against and the first incumbent."""
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 from dataclasses import dataclass
 from typing import Callable
 
+from agent.proposers.base import START_LOG
 from agent.run.incumbent import Incumbent
 from agent.run.pool import ServerPool, ServerRequest
 from agent.run.setup import RunSetup
@@ -20,6 +22,10 @@ from agent.stages.token_audit import calibration_refusal, run_audit
 from sandbox.base import Server
 from traces.errors import NightshiftError
 from traces.schema import NoiseFloor, SelfParity, TokenAudit
+
+
+START_LOG_CHARS = 2_000_000
+"""Far above any server's start log (vLLM's on an H200, routes and CUDA-graph capture included, is tens of KB)."""
 
 
 class SetupNotDeterministic(NightshiftError):
@@ -41,7 +47,7 @@ class Baseline:
 
 def dedicated_parity(setup: RunSetup) -> bool:
     """Parity on servers of their own (batch-invariant settings, say) beside the production ones."""
-    return bool(setup.task.parity.env or setup.task.parity.args)
+    return setup.task.parity.dedicated
 
 
 def measure_baseline(setup: RunSetup, pool: ServerPool, emit: Callable) -> Baseline:
@@ -58,6 +64,7 @@ def measure_baseline(setup: RunSetup, pool: ServerPool, emit: Callable) -> Basel
     peers = [ServerRequest("baseline-aa", tree, args)] if task.benchmark.noise_floor and dedicated else []
     requests[-1:-1] = peers
     servers = pool.start(requests)
+    save_start_log(setup, servers[-1])
     reference, second = servers[0], servers[1]
     report = fresh_parity(task, setup.vocab_size, reference, 0, second)
     margins, margins_error = (served_margins(reference, task.parity, setup.vocab_size, task.benchmark.request_timeout_s)
@@ -77,6 +84,13 @@ def measure_baseline(setup: RunSetup, pool: ServerPool, emit: Callable) -> Basel
     calibration = calibrate_audit(setup, reference, incumbent.server, emit)
     floor = noise_floor(setup, pool, reference, incumbent.server, servers[2:2 + len(peers)], emit)
     return Baseline(reference, incumbent, calibration, floor)
+
+
+def save_start_log(setup: RunSetup, production: Server) -> None:
+    """The production server's log as it started (START_LOG), whole, for the LLM proposer's opening."""
+    part = setup.run_dir / f".{START_LOG}.{os.getpid()}.part"  # a parallel run's workers each write it
+    part.write_text(production.logs(limit=START_LOG_CHARS))
+    part.replace(setup.run_dir / START_LOG)
 
 
 def calibrate_audit(setup: RunSetup, reference: Server, production: Server, emit: Callable) -> TokenAudit | None:

@@ -229,7 +229,8 @@ class Loop:
     def context(self, n: int) -> ProposalContext:
         return ProposalContext(task=self.task, candidate=n, checkout=self.slots.checkout(self.head),
                                incumbent_args=self.slots.incumbent_args(self.head), history=list(self.state.history),
-                               best_speedup=self.state.best_speedup, branch_diff=self.s.branch_diff(), record=self.emit)
+                               best_speedup=self.state.best_speedup, branch_diff=self.s.branch_diff(), record=self.emit,
+                               run_dir=self.s.run_dir)
 
     def submit(self, slot: Slot, proposal: Proposal) -> None:
         self.slots.submit(slot, proposal, self.head)

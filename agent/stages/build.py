@@ -42,6 +42,12 @@ def link_compiled_parts(tree: Path) -> Path:
     return package
 
 
+def linked(tree: Path) -> bool:
+    """Whether `tree` has the installed vLLM's compiled parts: `link_compiled_parts` writes its dist-info last."""
+    _, version = installed_vllm()
+    return (tree / f"vllm-{version}.dist-info" / "METADATA").is_file()
+
+
 def precompile(tree: Path) -> None:
     """Byte-compile the whole tree with hash-checked pycs, so other trees can share them."""
     compileall.compile_dir(str(tree / "vllm"), quiet=1, workers=0, invalidation_mode=HASHED)

@@ -346,7 +346,7 @@ def _measure(target: Target, plan: GridPlan, model_dir: Path, base_args: dict, h
     serving = with_overrides(task, model={"max_model_len": plan.max_model_len}, engine={"env": env})
     changed = [p for p in target.repo.git.diff("--name-only", target.base, target.head).splitlines() if p]
     trees = target.out_dir / "worktrees"
-    dedicated = bool(task.parity.env or task.parity.args)
+    dedicated = task.parity.dedicated
     with ExitStack() as stack:
         base_tree = stack.enter_context(tree_at(target.repo, target.base, trees / "baseline", link=link))
         head_tree = stack.enter_context(tree_at(target.repo, target.head, trees / "head", changed, base_tree, link))

@@ -102,6 +102,12 @@ class Parity(Strict):
     """Extra env/args for the parity servers only (e.g. batch-invariant mode). When set, parity
     runs on servers of its own, and the benchmark keeps the production configuration."""
 
+    @property
+    def dedicated(self) -> bool:
+        """Parity runs on servers of its own (its env or args set: batch-invariant mode, say), beside the production
+        ones, which the benchmark measures."""
+        return bool(self.env or self.args)
+
 
 class Benchmark(Strict):
     warmup_requests: int = Field(4, ge=0)

@@ -259,7 +259,8 @@ def test_one_answer_with_many_tool_calls_gets_only_the_budget(server, checkout, 
 
 
 def test_the_token_and_dollar_budgets_end_a_conversation(server, checkout, key):
-    server.default = turn(call("read_file", path="vllm/v1/sample/sampler.py"))
+    reads = [turn(call("read_file", path="vllm/v1/sample/sampler.py", start=n)) for n in range(1, 15)]
+    server.push(*reads)  # each a different range: never stuck, never a pointer
     run = Run(tools_task(server.base_url, attempts_per_proposal=1, tool_budget={"calls": 100, "tokens": 4000}),
               checkout)
     with pytest.raises(ProposerExhausted, match="budget: .* tokens used, the next turn may need"):
@@ -267,11 +268,13 @@ def test_the_token_and_dollar_budgets_end_a_conversation(server, checkout, key):
     turns = len(server.requests)
     assert 1 < turns < 100
     server.requests.clear()
-    run = Run(tools_task(server.base_url, attempts_per_proposal=1, tool_budget={"calls": 100, "usd": 0.02}),
+    server.script.clear()
+    server.push(*reads)
+    run = Run(tools_task(server.base_url, attempts_per_proposal=1, tool_budget={"calls": 100, "usd": 0.03}),
               checkout)
-    with pytest.raises(ProposerExhausted, match=r"the next turn may pass tool_budget.usd \$0.0200"):
+    with pytest.raises(ProposerExhausted, match=r"the next turn may pass tool_budget.usd \$0.0300"):
         run.propose()
-    assert run.proposer.spend_usd <= 0.02 and len(server.requests) > 1
+    assert run.proposer.spend_usd <= 0.03 and len(server.requests) > 1
 
 
 # ------------------------------------------------------------------------------------------------ replay
