@@ -73,7 +73,8 @@ def test_each_dropped_duplicate_is_recorded_and_a_resumed_queue_takes_it_as_prop
     task = load_task(ROOT / "tasks" / "gemma4-tiny-cpu.yaml")
     events: list = []
     loop = Loop.__new__(Loop)
-    loop.s = SimpleNamespace(trace=SimpleNamespace(append=lambda e: events.append(e) or ""), branch_diff=lambda: "")
+    loop.s = SimpleNamespace(trace=SimpleNamespace(append=lambda e: events.append(e) or ""), branch_diff=lambda: "",
+                             run_dir=tmp_path)
     loop.task, loop.proposer, loop.on_event, loop.head = task, Repeating(), lambda e: None, "abc"
     loop.slots, loop.redo, loop.results, loop.proposed_on = OneSlotInFlight(), [], {}, {}
     loop.state = RunState(task)
