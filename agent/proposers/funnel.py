@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any, get_args
 
 from agent.proposers.edits import same_lines
-from agent.proposers.tools import ProposeArgs, keep_repeated_keys
+from agent.proposers.shims import keep_repeated_keys
+from agent.proposers.tools import ProposeArgs
 from traces.schema import Decision, Stage
 
 STAGES: list[str] = list(get_args(Stage))

@@ -6,10 +6,14 @@ and the outcome; a parity or audit failure adds where the tokens diverged. The o
 only (one benchmark is one measurement: a rule does not conclude "not where the time goes" from it); what the result
 teaches is the model's own `reflection`, written in its next conversation (propose's `reflection`), which writes the
 entry again with it. The compact view is newest first, with what to choose next at its head (a hot spot not yet
-tried, a refinement of a near miss, or a repair), so that a clipped notebook loses the oldest entries.
+tried, a refinement of a near miss, or a repair), so that a clipped notebook loses the oldest entries. `candidate`
+gives any one decided candidate whole, for the tool of that name.
 """
 from __future__ import annotations
 
+import json
+
+from agent.proposers.base import Attempt
 from agent.stages.stats import accepts
 from traces.schema import Decision, NotebookEntry, Proposal
 
@@ -92,3 +96,33 @@ def compact(entries: list[NotebookEntry], min_speedup: float, hot_files: list[st
                      f"a repair (candidates {', '.join(map(str, broken[-3:]))})" if broken else "") if x)
                  + ". Say which in propose's `plan`.")
     return "\n".join(lines + body)
+
+
+def candidate(history: list[Attempt], entries: list[NotebookEntry], number: int) -> str:
+    """One decided candidate in full: the change (diff, engine args, plan, hypothesis) and the evidence on it (the
+    decision, its stage's reason: the parity divergence, the audit's finding, the build or start error), with the
+    model's reflection on it."""
+    attempt = next((a for a in history if a.proposal.candidate == number), None)
+    entry = next((e for e in entries if e.candidate == number), None)
+    if attempt is None:
+        known = sorted(a.proposal.candidate for a in history)
+        return f"error: no decided candidate {number}; the decided ones: {', '.join(map(str, known)) or 'none yet'}"
+    p, d = attempt.proposal, attempt.decision
+    info = p.meta.get("llm", {}) if isinstance(p.meta.get("llm"), dict) else {}
+    lines = [f"Candidate {number} [{p.proposer}]: {p.summary}"]
+    for label, key in (("Plan", "plan"), ("Hypothesis", "hypothesis"), ("Repair of candidate", "repair_of")):
+        if info.get(key) not in (None, ""):
+            lines.append(f"{label}: {info[key]}")
+    if p.engine_args:
+        lines.append(f"Engine args: {json.dumps(p.engine_args, sort_keys=True)}")
+    numbers = ""
+    if d.speedup is not None:
+        numbers = f", speedup {d.speedup:.3f}x"
+        if d.ci_low is not None and d.ci_high is not None:
+            numbers += f" [{d.ci_low:.3f}, {d.ci_high:.3f}]"
+    lines.append(f"Decision: {d.verdict} at {d.stage}{numbers}")
+    lines.append(f"Evidence ({d.stage}): {d.reason.strip()[:4000] or '(none)'}")
+    if entry is not None and entry.reflection:
+        lines.append(f"Reflection: {entry.reflection}")
+    lines.append("Diff:\n" + (p.patch.strip() or "(no code change)"))
+    return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""The LLM proposer's tools: read-only looks at the incumbent tree, and `propose`, which checks an edit at once.
+"""The LLM proposer's tools: read-only looks at the incumbent tree, and `propose`, which checks an edit at once; or,
+in a conversation without read tools (`proposer.tools: off`), the one tool `Answer`: the answer itself is the proposal.
 
 Every path a tool takes goes through `edits.checked_path`: relative, no `..`, no git metadata, and resolving
 (symlinks followed) inside the checkout. Arguments are validated by pydantic models, whose JSON schemas are also
@@ -8,17 +9,14 @@ raised: the model reads it and tries again, within the proposal's budget.
 `propose` answers like a compiler, check by check (edit surface, exact application, identity edits, py_compile of
 every changed file, undefined names, the changed modules imported on the host, `git apply --check`, engine args
 against the task's levers), with every problem it finds, not only the first; a proposal that passes them all
-becomes the candidate. `candidate` returns any earlier candidate's diff and evidence.
-
-The text protocol, for endpoints without tools: an answer is one line `CALL <tool> {json arguments}`, or edit
-blocks (SEARCH/REPLACE or FUNCTION), which are a `propose`.
+becomes the candidate. `candidate` returns any earlier candidate's diff and evidence. What small models send
+wrongly is read as meant by agent/proposers/shims.py.
 """
 from __future__ import annotations
 
 import ast
 import hashlib
 import json
-import posixpath
 import re
 import subprocess
 from dataclasses import dataclass, field
@@ -27,10 +25,10 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from agent.proposers import checks
+from agent.proposers import checks, shims
 from agent.proposers.edits import (
-    Edit, EditError, Files, Patch, apply_edit, check_applies, checked_path, compile_errors, parse_edits, summary_of,
-    unified_diff,
+    Edit, EditError, Files, Patch, apply_edit, check_applies, checked_path, compile_errors, make_patch, parse_edits,
+    summary_of, unified_diff,
 )
 
 READ_LINES = 300
@@ -67,8 +65,7 @@ class GrepArgs(Args):
     @field_validator("max_results", mode="before")
     @classmethod
     def at_most_the_cap(cls, value: Any) -> Any:
-        """Asking for more results than the cap means the cap (the 1.5B asked for 300, twice)."""
-        return min(value, GREP_MAX) if isinstance(value, int) and not isinstance(value, bool) else value
+        return shims.at_most(value, GREP_MAX)
 
 
 class NoArgs(Args):
@@ -91,30 +88,6 @@ class FunctionReplace(Args):
 
 TEXT_FIELDS = {"summary": 300, "hypothesis": 2000, "plan": 200, "reflection": 1000}
 """The free-text fields of `propose` and their lengths; a longer one is clipped."""
-
-
-def keep_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object whose key repeats keeps every value: the second `k` becomes `k#2` (a model that labels each
-    edit `"SearchReplace": {...}` sends the key once an edit; a plain parse keeps only the last)."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        name, n = key, 1
-        while name in out:
-            n += 1
-            name = f"{key}#{n}"
-        out[name] = value
-    return out
-
-
-def is_edit(value: Any) -> bool:
-    """A SEARCH/REPLACE edit or a function replacement, by its keys."""
-    return isinstance(value, dict) and "path" in value and (
-        {"search", "replace"} <= set(value) or {"name", "code"} <= set(value))
-
-
-def is_function(value: Any) -> bool:
-    """A function replacement by its keys (a name and code, no search or replace), wherever it was sent."""
-    return isinstance(value, dict) and {"name", "code"} <= set(value) and not {"search", "replace"} & set(value)
 
 
 Scalar = bool | int | float | str | None
@@ -145,40 +118,7 @@ class ProposeArgs(Args):
     @model_validator(mode="before")
     @classmethod
     def unambiguous_shapes(cls, data: Any) -> Any:
-        """Shapes small models send that can mean one thing only (Qwen2.5-Coder-1.5B sent
-        `edits: {"functions": [...]}` and `edits: [{path, name, code}]`): a lone edit object is a list of one,
-        `edits` holding `edits`/`functions` lists is those lists, `edits` as an object whose every value is an edit
-        (labelled by their kind, the label repeated) is the list of them, and an item of `edits` with a name and code and no
-        search or replace is a function replacement. Anything else is left to the schema, which names the problem."""
-        if not isinstance(data, dict):
-            return data
-        data = dict(data)
-        for key, most in TEXT_FIELDS.items():  # prose about the change, not the change: clipped, never refused
-            if isinstance(data.get(key), str) and len(data[key]) > most:
-                data[key] = data[key][:most - 3] + "..."
-        nested = data.get("edits")
-        if isinstance(nested, dict) and nested and set(nested) <= {"edits", "functions"}:
-            data.pop("edits")
-            for key, value in nested.items():
-                value = [value] if isinstance(value, dict) else value  # one edit where a list belongs
-                mine = data.get(key) or []
-                if isinstance(mine, list) and isinstance(value, list):
-                    data[key] = [*mine, *value]
-                else:
-                    return {**data, "edits": nested}  # not unambiguous: let the schema say so
-        for key in ("edits", "functions"):  # one edit where a list belongs (a missing path is then named)
-            if isinstance(data.get(key), dict) and set(data[key]) & {"path", "search", "replace", "name", "code"}:
-                data[key] = [data[key]]
-        labelled = data.get("edits")
-        if isinstance(labelled, dict) and labelled and all(map(is_edit, labelled.values())):
-            data["edits"] = list(labelled.values())  # {"SearchReplace": {...}, "SearchReplace#2": {...}}
-        edits = data.get("edits")
-        if isinstance(edits, list):  # a whole-function replacement sent among the edits
-            moved = [e for e in edits if is_function(e)]
-            if moved and isinstance(data.get("functions") or [], list):
-                data["edits"] = [e for e in edits if not is_function(e)]
-                data["functions"] = [*(data.get("functions") or []), *moved]
-        return data
+        return shims.read_as_meant(data, TEXT_FIELDS)
 
 
 TOOLS: dict[str, tuple[type[Args], str]] = {
@@ -233,6 +173,8 @@ class Result:
     plan: str = ""
     engine_args: dict[str, Any] = field(default_factory=dict)
     reflection: str = ""
+    final: bool = False
+    """The conversation ends with this rejection (an answer of a conversation without read tools)."""
 
 
 @dataclass
@@ -258,13 +200,16 @@ class Toolbox:
     reflections: list[str] = field(default_factory=list)
     """The `reflection` of each propose call with valid arguments (accepted or not), in order."""
 
+    def run(self, call: dict[str, Any]) -> Result:
+        return self.call(str(call.get("name", "")), call.get("arguments", ""))
+
     def call(self, name: str, arguments: str | dict[str, Any] | None) -> Result:
         if name not in TOOLS:
             return Result(f"error: no tool {name!r}; the tools are {', '.join(TOOLS)}", ok=False)
         model = TOOLS[name][0]
         try:
             raw = arguments if isinstance(arguments, dict) else json.loads(arguments or "{}",
-                                                                             object_pairs_hook=keep_repeated_keys)
+                                                                             object_pairs_hook=shims.keep_repeated_keys)
             if not isinstance(raw, dict):
                 raise ValueError("the arguments must be a JSON object")
             args = model.model_validate(raw)
@@ -400,6 +345,38 @@ class Toolbox:
         return Result("REJECTED: fix the problems below and call propose again\n" + "\n".join(lines), ok=False)
 
 
+@dataclass
+class Answer:
+    """The one tool of a conversation without read tools: the answer itself, its edit blocks made a checked patch
+    (edits.make_patch: parsed, inside the surface, applied exactly, `git apply --check`) that is no earlier
+    candidate's. An answer that cannot be used is rejected with the reason, which ends its turn (`final`): the next
+    answer is a follow-up or comes from a fresh conversation."""
+
+    checkout: Path
+    include: list[str]
+    exclude: list[str]
+    seen: dict[str, int]
+    """`proposal_key` of the changes already proposed -> their candidate."""
+    cap: str
+    """The answer's cap as the request sent it, e.g. `max_tokens (2048)`."""
+
+    def run(self, call: dict[str, Any]) -> Result:
+        text = str(call.get("arguments") or "")
+        if call.get("finish_reason") == "length":
+            return Result(f"truncated: the answer hit {self.cap}; give a shorter answer with only the needed blocks",
+                          ok=False, final=True)
+        if not text.strip():
+            return Result("empty: the answer has no text", ok=False, final=True)
+        try:
+            patch = make_patch(text, Path(self.checkout), self.include, self.exclude)
+        except EditError as exc:
+            return Result(str(exc), ok=False, final=True)
+        if (key := proposal_key(patch.diff, {})) in self.seen:
+            return Result(f"duplicate: the same change as candidate {self.seen[key]}, which was already tried",
+                          ok=False, final=True)
+        return Result("ACCEPTED", patch=patch)
+
+
 def proposal_key(diff: str, engine_args: dict[str, Any]) -> str:
     """The identity of a proposed change: its diff and its engine args (sha256)."""
     return hashlib.sha256((diff + (json.dumps(engine_args, sort_keys=True) if engine_args else "")).encode()
@@ -496,96 +473,6 @@ def check(edits: list[Edit], checkout: Path, include: list[str], exclude: list[s
         return problems + [str(exc)], {}
     report.append("git apply --check: ok")
     return problems, changed
-
-
-# --------------------------------------------------------------------------------------- text protocol
-CALL = re.compile(r"^\s*CALL\s+([A-Za-z_]\w*)\s*", re.M)
-
-
-def parse_text_calls(text: str) -> list[dict[str, str]]:
-    """The tool calls of a text-protocol answer: `CALL name {json}` lines, or edit blocks as a propose."""
-    if re.search(r"^\s*<{3,9}\s*(SEARCH|FUNCTION)\b", text, re.M):
-        summary = summary_of(text, [])
-        summary = summary if not summary.startswith("edit ") else "change proposed as blocks"
-        return [{"id": "text_0", "name": "propose", "arguments": json.dumps({"summary": summary, "blocks": text})}]
-    calls = []
-    for n, match in enumerate(CALL.finditer(text)):
-        rest = text[match.end():]
-        arguments = "{}"
-        if rest.startswith("{"):
-            try:
-                value, end = json.JSONDecoder().raw_decode(rest)
-                arguments = json.dumps(value)
-            except ValueError:
-                arguments = rest.split("\n", 1)[0]
-        calls.append({"id": f"text_{n}", "name": match.group(1), "arguments": arguments})
-    return (calls or json_calls(text))[:1]  # one call a turn: the model sees each answer before it goes on
-
-
-JSON_START = re.compile(r"\{\s*\"name\"\s*:")
-
-
-def json_calls(text: str) -> list[dict[str, str]]:
-    """Calls a model wrote as JSON objects in its text instead of through the tools API, the way small models
-    often do (`{"name": "read_file", "arguments": {...}}`, bare, fenced or in <tool_call> tags): each object with
-    a string `name` and an object (or JSON string) `arguments`, in order."""
-    calls: list[dict[str, str]] = []
-    for match in JSON_START.finditer(text):
-        try:
-            value, _ = json.JSONDecoder().raw_decode(text[match.start():])
-        except ValueError:
-            continue
-        name, arguments = value.get("name"), value.get("arguments", value.get("parameters", {}))
-        if isinstance(name, str) and isinstance(arguments, (dict, str)):
-            arguments = arguments if isinstance(arguments, str) else json.dumps(arguments)
-            calls.append({"id": f"text_{len(calls)}", "name": name, "arguments": arguments})
-    return calls
-
-
-# ------------------------------------------------------------------------------------ the conversation
-READ_ONLY = set(TOOLS) - {"propose"}
-from agent.proposers.clients import ELIDED  # noqa: E402 (one placeholder, which the trace's deltas know)
-
-
-def call_key(name: str, arguments: str | dict[str, Any] | None) -> str | None:
-    """The identity of a call (its name and canonical arguments), or None for arguments that are not JSON: the
-    same key twice in a conversation is the same answer twice (a `propose` seen before was rejected: an accepted
-    one ends the conversation)."""
-    if name not in TOOLS:
-        return None
-    try:
-        value = json.loads(arguments, object_pairs_hook=keep_repeated_keys) if isinstance(arguments, str) \
-            else (arguments or {})
-    except ValueError:
-        return None
-    if not isinstance(value, dict):
-        return None
-    if name in READ_ONLY and isinstance(value.get("path"), str):  # "./vllm/" and "vllm" are one folder
-        value = {**value, "path": posixpath.normpath(value["path"].strip() or ".")}
-    return f"{name} {json.dumps(value, sort_keys=True)}"
-
-
-def repeated(name: str, turn: int) -> Result:
-    if name == "propose":
-        return Result(f"repeated: propose with these arguments was rejected at your tool call {turn}, above, and "
-                      "the tree has not changed: change the edits as that answer says (copy SEARCH text exactly, "
-                      "with enough lines to be unique), or read the file first.", ok=False)
-    return Result(f"repeated: {name} with these arguments was answered at your tool call {turn}, above, and the "
-                  "tree has not changed. Read another range (read_file start/end), list a folder, grep for something "
-                  "else, or call propose.", ok=False)
-
-
-def fit(messages: list[dict[str, Any]], limit: int, size: Callable[[list[dict[str, Any]]], int],
-        keep_last: int = 2) -> bool:
-    """Elide the oldest tool results (in place, never the opening messages or the last `keep_last`) until the
-    conversation's estimated size is within `limit`; False if it still is not."""
-    for message in messages[2:max(2, len(messages) - keep_last)]:
-        if size(messages) <= limit:
-            break
-        is_result = message.get("role") == "tool" or str(message.get("content") or "").startswith("RESULT ")
-        if is_result and message.get("content") != ELIDED:
-            message["content"] = ELIDED
-    return size(messages) <= limit
 
 
 # --------------------------------------------------------------------------------------------- helpers

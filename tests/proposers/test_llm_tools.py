@@ -11,7 +11,8 @@ import pytest
 
 from agent.proposers.clients import ReplayModel
 from agent.proposers.base import ProposerExhausted
-from agent.proposers.tools import Toolbox, definitions, parse_text_calls
+from agent.proposers.tools import Toolbox, definitions
+from agent.proposers.transcript import parse_text_calls
 from fake_openai_server import FakeOpenAI
 from scripted_models import call, numbered, sampler_expert, turn
 from tests.proposers.test_llm_proposer import SAMPLER, Run, applies, checkout, key, make_task, run_started, server  # noqa: F401 (fixtures)
@@ -494,7 +495,7 @@ def test_the_same_failing_call_and_the_same_folder_spelled_otherwise_are_repeats
 
 def test_old_tool_results_are_elided_to_fit_the_context(server, checkout, key):
     from agent.proposers.clients import messages_tokens
-    from agent.proposers.tools import ELIDED, fit
+    from agent.proposers.transcript import ELIDED, fit
 
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
     for n in range(4):
