@@ -5,11 +5,12 @@
 #   wait-bound  beside it, two at a time (pytest-xdist, one file per worker): fake servers, git, subprocesses;
 #   contained   then, still beside it, one at a time: the sandboxes' containment with stub servers (Docker,
 #               namespaces and cgroups, and the namespace suite again as an unprivileged user);
-#   paced       then, still beside it, two at a time (test by test; a module's shared run stays on one worker):
-#               runs of fake servers judged by their speed (crash-and-resume, judgement, report), with effects many
-#               times the noise. A fake server keeps its pace on a busy host (tests/fake_vllm.py: token i is due
-#               i * delay after the request), as a device would: when it slept a delay a token, late wake-ups beside
-#               real vLLM piled up and 4, then 2, of these keeps failed in two clean-clone runs;
+#   paced       after it, three at a time (test by test; a module's shared run stays on one worker): runs of
+#               fake servers judged by their speed (crash-and-resume, judgement, report), with effects many times
+#               the noise. A fake server keeps its pace (tests/fake_vllm.py: token i is due i * delay after the
+#               request), yet beside real vLLM 2-4 of these keeps failed in each of three clean-clone runs (the
+#               last with paced fakes): their clients and servers starve for CPU there, and the heavy tier grew by
+#               a fifth;
 #   serial      last, one at a time with nothing beside it: what measures CPU time or the host's noise.
 # Each tier prints its time and its slowest tests; the last line sums the tiers and the whole.
 #   scripts/test.sh                      # the whole suite
@@ -35,8 +36,6 @@ beside() {
   tier "wait-bound (-n ${NIGHTSHIFT_TEST_WORKERS:-2})" wait -n "${NIGHTSHIFT_TEST_WORKERS:-2}" --dist loadfile \
     -m "$select and not heavy and not serial and not paced and not contained" "$@"
   tier contained contained -p no:xdist -m "$select and contained and not heavy and not serial" "$@"
-  tier "paced (-n ${NIGHTSHIFT_PACED_WORKERS:-2})" paced -n "${NIGHTSHIFT_PACED_WORKERS:-2}" --dist loadgroup \
-    -m "$select and paced and not heavy and not serial" "$@"
 }
 beside "$@" > "$temp/beside.log" 2>&1 &
 beside_pid=$!
@@ -44,6 +43,8 @@ tier heavy heavy -p no:xdist -m "$select and heavy" "$@"
 wait "$beside_pid"
 echo "----- the tiers run beside the heavy one -----"
 cat "$temp/beside.log"
+tier "paced (-n ${NIGHTSHIFT_PACED_WORKERS:-3})" paced -n "${NIGHTSHIFT_PACED_WORKERS:-3}" --dist loadgroup \
+  -m "$select and paced and not heavy and not serial" "$@"
 tier serial serial -p no:xdist -m "$select and serial and not heavy" "$@"
 status=0
 for key in wait paced contained heavy serial; do
@@ -51,7 +52,7 @@ for key in wait paced contained heavy serial; do
   [ "$rc" -gt "$status" ] && status=$rc
 done
 echo "tests: heavy $(cat "$temp/heavy.s") s; beside it wait-bound $(cat "$temp/wait.s") s, contained" \
-     "$(cat "$temp/contained.s") s, paced $(cat "$temp/paced.s") s; then serial $(cat "$temp/serial.s") s;" \
+     "$(cat "$temp/contained.s") s; then paced $(cat "$temp/paced.s") s, serial $(cat "$temp/serial.s") s;" \
      "whole suite $(( SECONDS - began_all )) s (exit $status)"
 if [ "$status" = 0 ] && [ -z "${NIGHTSHIFT_TEST_TMP:-}" ]; then
   rm -rf "$temp"
