@@ -333,9 +333,11 @@ def test_a_reference_that_stops_answering_ends_the_run_without_blaming_the_candi
 
 @pytest.mark.slow
 def test_a_win_must_repeat_in_an_independent_confirmation(run):
-    # Candidate 1 is fast for its parity check and first benchmark (4 + 2 warmup + 5 x 8 requests), then
-    # slower than the incumbent; candidate 2 is fast throughout.
-    fading = mode("exact", 0.0025, slow_after=46, slow_delay_s=0.02)
+    # Candidate 1 is fast for its parity check and first benchmark, then slower than the incumbent: measured in runs
+    # of this test, 18-49 requests come before the benchmark (parity's prompts, long requests and margins, the
+    # warmup) and a pass of this workload is 32, so after 210 it is slow for the whole confirmation but at most
+    # its first pass. Candidate 2 is fast throughout.
+    fading = mode("exact", 0.0025, slow_after=210, slow_delay_s=0.02)
     setup, loop = run({
         "1-fading.patch": new_file_patch("vllm/fake_mode_1.json", fading, "faster once"),
         "2-fast.patch": new_file_patch("vllm/fake_mode_2.json", mode("exact", 0.0025), "faster"),
@@ -345,7 +347,7 @@ def test_a_win_must_repeat_in_an_independent_confirmation(run):
     records = [r.event for r in read_trace(setup.run_dir / "trace.jsonl")]
     reports = {(e.candidate, e.confirmation): e for e in records if e.kind == "benchmark"}
     assert sorted(reports) == [(1, 0), (1, 1), (2, 0), (2, 1)]
-    assert reports[1, 0].ci_low > 1.02 and reports[1, 1].ci_high < 1.0  # it passed once, then did not
+    assert reports[1, 0].ci_low > 1.02 and reports[1, 1].speedup < 1.0  # it passed once, then did not
     got = decisions(setup)
     assert got[1].verdict == "discard" and got[1].reason.startswith("confirmation 1 of 1: not faster")
     assert got[2].verdict == "keep" and got[2].reason.startswith("confirmation 1 of 1: speedup")
