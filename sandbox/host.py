@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import stat
 from pathlib import Path
@@ -38,8 +39,6 @@ HOLD_ROUNDS = 3
 def hold_processes(find, frozen: bool) -> int:
     """SIGSTOP (frozen) or SIGCONT every process that `find()` returns, over HOLD_ROUNDS passes; returns how many
     processes were signalled. A process that is gone, or that this user may not signal, is skipped."""
-    import signal
-
     sig, done = (signal.SIGSTOP if frozen else signal.SIGCONT), set()
     for _ in range(HOLD_ROUNDS):
         todo = set(find()) - done
