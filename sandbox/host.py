@@ -116,6 +116,31 @@ def cpu_seconds(pid: int | None) -> float | None:
     return ticks / CLOCK_TICKS
 
 
+def major_faults(pid: int | None) -> int | None:
+    """Major page faults (reads from disk) of pid's process tree so far, reaped children included."""
+    if pid is None:
+        return None
+    count = 0
+    for p in process_tree(pid):
+        try:
+            fields = stat_fields(p)
+            count += int(fields[9]) + int(fields[10])  # majflt, cmajflt
+        except (OSError, IndexError, ValueError):
+            continue
+    return count
+
+
+def machine_cpu() -> tuple[float, float] | None:
+    """(CPU seconds every process of the machine used, CPU seconds stolen by the hypervisor) so far, all cores
+    together (/proc/stat); None where /proc/stat is absent."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq) / CLOCK_TICKS, steal / CLOCK_TICKS
+
+
 def server_snapshot(server) -> dict:
     """`snapshot` of a server's process tree."""
     return snapshot(server_pid(server), getattr(server, "scratch", None))

@@ -225,6 +225,15 @@ class Sample(BaseModel):
     step_tokens: int | None = None
     """Tokens (prompt and output) those steps processed: the same histogram's _sum; step_tokens / engine_steps
     is the pass's batch occupancy (agent/stages/stats.py tokens_per_step, off_schedule)."""
+    server_cpu_s: float | None = None
+    """CPU time the measured server's processes used during the pass, from /proc (None where not visible)."""
+    machine_cpu_s: float | None = None
+    """CPU time every process of the machine used during the pass (/proc/stat, all cores); what is left after
+    the measured server, the idle side and the load client is work the harness did not ask for (`foreign`)."""
+    steal_s: float | None = None
+    """CPU time the hypervisor gave to others while this machine wanted to run, during the pass (/proc/stat)."""
+    major_faults: int | None = None
+    """Page faults of the measured server that read from disk during the pass (code or weights evicted earlier)."""
 
 
 class Liveness(BaseModel):

@@ -310,6 +310,8 @@ def noise(task_file: str = typer.Argument(DEFAULT_TASK, help=TASK_HELP),
           aa: int = typer.Option(10, "--aa", help="A/A benchmarks: the baseline against a second copy of itself"),
           patch: list[Path] = typer.Option([], "--patch", help="a patch with a known effect (repeatable)"),
           repeat: int = typer.Option(10, help="benchmarks of each patch"),
+          both_ways: bool = typer.Option(False, "--both-ways", help="also benchmark each patch the other way round "
+                                         "(the patched server as the incumbent): a known slowdown seen as a speedup"),
           settings: list[str] = typer.Option([], "--set", help="override a task field (repeatable)"),
           runs_dir: Path = typer.Option(Path("runs"), help="where the study's folder is written")):
     """What this machine's benchmark can see: false accepts and the minimum detectable effect from repeated
@@ -330,7 +332,7 @@ def noise(task_file: str = typer.Argument(DEFAULT_TASK, help=TASK_HELP),
     setup = prepare_run(task, runs_dir, run_id=f"noise-{new_run_id()}")
     console.print(f"noise study [bold]{setup.run_id}[/bold] -> {setup.run_dir}", soft_wrap=True)
     try:
-        data = study(setup, aa, patch, repeat, on_line=console.print)
+        data = study(setup, aa, patch, repeat, on_line=console.print, both_ways=both_ways)
     finally:
         setup.release_worktrees()
     console.print((setup.run_dir / "noise.md").read_text(), soft_wrap=True, markup=False)

@@ -23,12 +23,15 @@ from agent.stages.stats import SpeedupEstimate, idle_work, off_schedule, plan_lo
 from agent.world.task import Task
 from agent.stages.token_audit import Output
 from sandbox.base import Server
-from sandbox.host import cpu_seconds, server_pid
+from sandbox.host import cpu_seconds, machine_cpu, major_faults, server_pid
 from traces.schema import BenchReport, Sample
 
 
 IDLE_BUSY_CORES = 0.5
 """A pass during which the other side's (idle) server used more CPU than this is flagged."""
+FOREIGN_CORES, STEAL_CORES = 0.25, 0.05
+"""A pass during which processes outside the benchmark (not the two servers, not the load client) used more CPU
+than FOREIGN_CORES, or the hypervisor stole more than STEAL_CORES, is flagged: its clock measured the machine."""
 QUIET_CORES, QUIET_WINDOW_S = 0.1, 0.25
 """Before a pass, both servers are awaited until each used less CPU than this over one window."""
 
@@ -187,12 +190,15 @@ async def timed_pass(load: LoadClient, server: Server, role: str, repetition: in
             server.hold(False)
         counts_before = await engine_counts(server)
         with gpu_state.GpuMonitor(list(gpus), gpu_state.server_pids(server) if gpus else None) as gpu:
-            idle_before = cpu_seconds(idle_pid)
+            measured_pid = server_pid(server)
+            idle_before, own_before = cpu_seconds(idle_pid), cpu_seconds(measured_pid)
+            faults_before, machine_before = major_faults(measured_pid), machine_cpu()
             started = time.perf_counter()
             result = await answered(load, server, role, repetition, prompts, output_len, concurrency, timeout_s,
                                     stall_s)
             seconds, completions = time.perf_counter() - started, result.completions
-            idle_after = cpu_seconds(idle_pid)
+            idle_after, own_after = cpu_seconds(idle_pid), cpu_seconds(measured_pid)
+            faults_after, machine_after = major_faults(measured_pid), machine_cpu()
         counts_after = await engine_counts(server) if counts_before is not None else None
     finally:
         if held:
@@ -216,6 +222,18 @@ async def timed_pass(load: LoadClient, server: Server, role: str, repetition: in
               for name, cores in busy.items()]
     if idle_cpu is not None and idle_cpu / seconds > IDLE_BUSY_CORES:
         flags.append(f"neighbour busy: the other side's server used {idle_cpu / seconds:.2f} CPU cores")
+    own_cpu = None if own_before is None or own_after is None else round(own_after - own_before, 3)
+    faults = None if faults_before is None or faults_after is None else faults_after - faults_before
+    machine = steal = None
+    if machine_before is not None and machine_after is not None:
+        machine = round(machine_after[0] - machine_before[0], 3)
+        steal = round(machine_after[1] - machine_before[1], 3)
+        if steal / seconds > STEAL_CORES:
+            flags.append(f"host steal: the hypervisor took {steal / seconds:.2f} CPU cores from this machine")
+        if own_cpu is not None:
+            foreign = machine - own_cpu - (idle_cpu or 0.0) - result.cpu_s
+            if foreign / seconds > FOREIGN_CORES:
+                flags.append(f"foreign work: processes outside the benchmark used {foreign / seconds:.2f} CPU cores")
     if window is None:
         flags.append("no steady state: " + (f"{lanes} requests were never in flight before the drain" if concurrency
                                             else "no concurrency cap, every request sent at once") + "; whole pass used")
@@ -232,7 +250,8 @@ async def timed_pass(load: LoadClient, server: Server, role: str, repetition: in
                     steady_output_tokens_per_s=steady[2] / steady[0], gpu=state, flags=flags,
                     neighbour_cpu_s=idle_cpu, neighbour_held=held if idle is not None else None,
                     settle_s=settled_s, engine_steps=steps and steps[0],
-                    step_tokens=steps and steps[1])
+                    step_tokens=steps and steps[1], server_cpu_s=own_cpu, machine_cpu_s=machine, steal_s=steal,
+                    major_faults=faults)
     return Pass(sample, prompts, outputs)
 
 
@@ -315,7 +334,7 @@ async def _compare(load: LoadClient, task: Task, incumbent: Server, candidate: S
         for (role, server), (_, other) in zip(order, order[::-1]):
             passes[role] = await timed_pass(load, server, role, repetition, prompts, w.output_len, w.concurrency,
                                             b.request_timeout_s, task.sandbox.gpus, b.stall_timeout_s, other,
-                                            b.settle_s, restless, b.hold_idle)
+                                            0.0 if b.hold_idle else b.settle_s, restless, b.hold_idle)
             sample = passes[role].sample
             samples.append(sample)
             kept.append(passes[role])

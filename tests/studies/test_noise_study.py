@@ -25,7 +25,7 @@ def setup(tmp_path, fake_checkout, fake_model):
     task = fake_task(fake_checkout, fake_model, tmp_path, benchmark={"warmup_requests": 2, "repetitions": 4,
                                                                     "request_timeout_s": 10, "max_client_busy": 1.0},
                      acceptance={"min_speedup": 1.3, "confidence": 0.95, "confirmations": 0})
-    return prepare_run(task, tmp_path / "runs", run_id="noise-test", vllm_version=VERSION)
+    return prepare_run(task, tmp_path / "runs", run_id=f"noise-{tmp_path.name}"[:60], vllm_version=VERSION)
 
 
 @pytest.mark.slow
@@ -57,6 +57,20 @@ def test_a_a_benchmarks_and_a_known_slowdown_on_servers_started_once(setup, tmp_
     assert "A/A: 3 benchmarks, 0 false accepts" in text and "slow-4x: mean" in text and "detected slower in 2 of 2" in text
     assert "NEVER IMPORTED: ['vllm/never_imported.py']" in text
     assert json.loads((setup.run_dir / "noise.json").read_text())["summary"] == data["summary"]
+
+
+@pytest.mark.slow
+def test_a_known_slowdown_both_ways_is_a_known_speedup_the_other_way_round(setup, tmp_path):
+    """--both-ways: each patch is also benchmarked with its server as the incumbent and the baseline's copy as the
+    candidate, alternately with the forward direction: a 4x slowdown is then a 4x speedup, detected and accepted."""
+    sandbox = FakeSandbox(tmp_path / "servers")
+    data = study(setup, 2, [tmp_path / "slow-4x.patch"], 2, sandbox=sandbox, on_line=lambda line: None, both_ways=True)
+    assert [r["label"] for r in data["benchmarks"]] == ["A/A"] * 2 + ["slow-4x", "slow-4x reversed"] * 2
+    forward, reverse = data["summary"]["patches"]["slow-4x"], data["summary"]["patches"]["slow-4x reversed"]
+    assert forward["direction"] == "slower" and forward["detected"] == 2 and forward["accepted"] == 0
+    assert reverse["direction"] == "faster" and reverse["detected"] == 2 and reverse["accepted"] == 2
+    assert all(2 < s < 10 for s in reverse["speedups"]), reverse
+    assert "slow-4x reversed: mean" in (setup.run_dir / "noise.md").read_text()
 
 
 @pytest.mark.parametrize("argv, message", [
