@@ -175,20 +175,9 @@ class _Server:
 
 @pytest.mark.parametrize("metrics", [True, False])
 def test_the_fake_server_counts_engine_steps_as_vllm_does(tmp_path, metrics):
-    (tmp_path / "vllm").mkdir()
-    (tmp_path / "vllm" / "fake_mode.json").write_text(json.dumps({"mode": "exact", "delay_s": 0.01,
-                                                                  "metrics": metrics}))
-    port = free_port()
-    process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fake_vllm.py"), str(tmp_path), str(port),
-                                str(tmp_path / "imports.log")])
+    process, endpoint = _fake_server(tmp_path, metrics=metrics)
     try:
-        server = _Server(Endpoint(f"http://127.0.0.1:{port}"))
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.2).close()
-                break
-            except OSError:
-                time.sleep(0.05)
+        server = _Server(endpoint)
 
         async def measured():
             before = await engine_counts(server)
@@ -207,9 +196,11 @@ def test_the_fake_server_counts_engine_steps_as_vllm_does(tmp_path, metrics):
         process.wait()
 
 
-def _fake_server(tmp_path: Path, delay_s: float = 0.01):
+def _fake_server(tmp_path: Path, **mode):
+    """A fake vLLM server in its own process (tests/fake_vllm.py), exact at 10 ms a token unless `mode` says else,
+    once it accepts connections: (process, endpoint)."""
     (tmp_path / "vllm").mkdir(exist_ok=True)
-    (tmp_path / "vllm" / "fake_mode.json").write_text(json.dumps({"mode": "exact", "delay_s": delay_s}))
+    (tmp_path / "vllm" / "fake_mode.json").write_text(json.dumps({"mode": "exact", "delay_s": 0.01, **mode}))
     port = free_port()
     process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fake_vllm.py"), str(tmp_path), str(port),
                                 str(tmp_path / "imports.log")])
