@@ -102,32 +102,27 @@ def server_pid(server) -> int | None:
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def _tree_sum(pid: int, fields: tuple[int, ...]) -> int:
+    """The sum of the given `stat_fields` over pid's process tree (a process gone meanwhile counts nothing)."""
+    total = 0
+    for p in process_tree(pid):
+        try:
+            values = stat_fields(p)
+            total += sum(int(values[i]) for i in fields)
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
 def cpu_seconds(pid: int | None) -> float | None:
     """User and system CPU time used so far by pid's process tree, the children it reaped included (so a
     process that ends within the tree keeps counting); None where pid is None."""
-    if pid is None:
-        return None
-    ticks = 0
-    for p in process_tree(pid):
-        try:
-            ticks += sum(int(x) for x in stat_fields(p)[11:15])  # utime, stime, cutime, cstime
-        except (OSError, IndexError, ValueError):
-            continue
-    return ticks / CLOCK_TICKS
+    return None if pid is None else _tree_sum(pid, (11, 12, 13, 14)) / CLOCK_TICKS  # utime, stime, cutime, cstime
 
 
 def major_faults(pid: int | None) -> int | None:
     """Major page faults (reads from disk) of pid's process tree so far, reaped children included."""
-    if pid is None:
-        return None
-    count = 0
-    for p in process_tree(pid):
-        try:
-            fields = stat_fields(p)
-            count += int(fields[9]) + int(fields[10])  # majflt, cmajflt
-        except (OSError, IndexError, ValueError):
-            continue
-    return count
+    return None if pid is None else _tree_sum(pid, (9, 10))  # majflt, cmajflt
 
 
 def machine_cpu() -> tuple[float, float] | None:

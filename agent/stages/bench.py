@@ -172,17 +172,19 @@ async def timed_pass(load: LoadClient, server: Server, role: str, repetition: in
                      output_len: int, concurrency: int | None, timeout_s: float, gpus: list[int] = (),
                      stall_s: float | None = None, idle: Server | None = None, settle_s: float = 0.0,
                      restless: set[str] | None = None, hold_idle: bool = False) -> Pass:
-    """One pass; with `idle`, the other side's server, whose CPU time during the pass is recorded. First both
-    servers are given up to `settle_s` to go quiet (the work left from the last pass ends before the clock
-    starts); one that does not is added to `restless` and not awaited again, its work counted in the pass.
-    With `hold_idle`, `idle` is frozen for the pass (first), and `server` let run (then), outside the clock."""
+    """One pass; with `idle`, the other side's server, whose CPU time during the pass is recorded. With
+    `hold_idle`, `idle` is frozen for the pass (first), and `server` let run (then), outside the clock. Not held,
+    both servers are first given up to `settle_s` to go quiet (the work left from the last pass ends before the
+    clock starts); one that does not is added to `restless` and not awaited again, its work counted in the pass.
+    Held, there is no wait (benchmark.settle_s says why)."""
+    own_pid = server_pid(server)
     idle_pid = server_pid(idle) if idle is not None else None
-    restless = set() if restless is None else restless
-    waiting = {pid: who for pid, who in ((server_pid(server), server.name), (idle_pid, idle and idle.name))
-               if pid is not None and who not in restless}
-    settled_s, busy = await settle(waiting, settle_s)
-    restless.update(busy)
     held = hold_idle and idle is not None
+    restless = set() if restless is None else restless
+    waiting = {pid: who for pid, who in ((own_pid, server.name), (idle_pid, idle and idle.name))
+               if pid is not None and who not in restless}
+    settled_s, busy = await settle(waiting, 0.0 if held else settle_s)
+    restless.update(busy)
     if held:
         idle.hold(True)  # first: a side let run before the other is frozen could be stopped again by it
     try:
@@ -190,15 +192,14 @@ async def timed_pass(load: LoadClient, server: Server, role: str, repetition: in
             server.hold(False)
         counts_before = await engine_counts(server)
         with gpu_state.GpuMonitor(list(gpus), gpu_state.server_pids(server) if gpus else None) as gpu:
-            measured_pid = server_pid(server)
-            idle_before, own_before = cpu_seconds(idle_pid), cpu_seconds(measured_pid)
-            faults_before, machine_before = major_faults(measured_pid), machine_cpu()
+            idle_before, own_before = cpu_seconds(idle_pid), cpu_seconds(own_pid)
+            faults_before, machine_before = major_faults(own_pid), machine_cpu()
             started = time.perf_counter()
             result = await answered(load, server, role, repetition, prompts, output_len, concurrency, timeout_s,
                                     stall_s)
             seconds, completions = time.perf_counter() - started, result.completions
-            idle_after, own_after = cpu_seconds(idle_pid), cpu_seconds(measured_pid)
-            faults_after, machine_after = major_faults(measured_pid), machine_cpu()
+            idle_after, own_after = cpu_seconds(idle_pid), cpu_seconds(own_pid)
+            faults_after, machine_after = major_faults(own_pid), machine_cpu()
         counts_after = await engine_counts(server) if counts_before is not None else None
     finally:
         if held:
@@ -334,7 +335,7 @@ async def _compare(load: LoadClient, task: Task, incumbent: Server, candidate: S
         for (role, server), (_, other) in zip(order, order[::-1]):
             passes[role] = await timed_pass(load, server, role, repetition, prompts, w.output_len, w.concurrency,
                                             b.request_timeout_s, task.sandbox.gpus, b.stall_timeout_s, other,
-                                            0.0 if b.hold_idle else b.settle_s, restless, b.hold_idle)
+                                            b.settle_s, restless, b.hold_idle)
             sample = passes[role].sample
             samples.append(sample)
             kept.append(passes[role])
