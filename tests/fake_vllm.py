@@ -84,6 +84,9 @@ if config.get("production_crash") and not watched:
     sys.exit("fake_vllm: the production server crashes at startup as configured")
 import_log.write_text("".join(f"{p.relative_to(tree)}\n" for p in [tree / "vllm" / "__init__.py", *mode_files]))
 in_flight = served = streamed = crowded_served = 0
+seats = threading.BoundedSemaphore(config["max_seqs"]) if config.get("max_seqs") else None
+"""`max_seqs: N` (any mode): at most N streamed completions generate at once, the others wait for a seat, as vLLM's
+scheduler holds max_num_seqs (a stand-in ignores the flag itself: its tree's mode file is its code)."""
 
 
 def die_with_this_server() -> None:
@@ -330,6 +333,7 @@ class Handler(BaseHTTPRequestHandler):
             delay_s = paced_as if paced_as is not None else config.get("delay_s", 0.002)
             if served > config.get("slow_after", served):
                 delay_s = config["slow_delay_s"]
+        seated = False
         try:
             count = body["max_tokens"]
             if config["mode"] == "short" and crowded:
@@ -341,6 +345,9 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Connection", "close")
             self.end_headers()
+            if seats is not None:
+                seats.acquire()
+                seated = True
             began = time.monotonic()
             for step, (_, token) in enumerate(generate(body["prompt"], count, crowded, picked)):
                 wait(delay_s, began + (step + 1) * delay_s)
@@ -355,6 +362,8 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
         finally:
+            if seated:
+                seats.release()
             with lock:
                 in_flight -= 1
                 if in_flight == 0:

@@ -225,6 +225,11 @@ class Sample(BaseModel):
     step_tokens: int | None = None
     """Tokens (prompt and output) those steps processed: the same histogram's _sum; step_tokens / engine_steps
     is the pass's batch occupancy (agent/stages/stats.py tokens_per_step, off_schedule)."""
+    max_num_seqs: int | None = None
+    """The measured server's declared engine argument max_num_seqs (None: not set, vLLM's default)."""
+    decoding_max: int | None = None
+    """The most requests the harness's client saw streaming at once in the pass (first token arrived, last not yet):
+    what the server did with max_num_seqs, seen from outside it (agent/stages/stats.py moved_by_code)."""
     server_cpu_s: float | None = None
     """CPU time the measured server's processes used during the pass, from /proc (None where not visible)."""
     machine_cpu_s: float | None = None

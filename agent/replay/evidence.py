@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 
-from agent.stages.stats import (MEAN_T, accepts, estimate_speedup, idle_work, order_signs, plan_looks,
-                                sequential_estimate)
+from agent.stages.stats import (MEAN_T, accepts, estimate_speedup, idle_work, moved_by_code, order_signs,
+                                plan_looks, sequential_estimate)
 from agent.world.task import Acceptance, Audit, Benchmark
 from agent.stages.token_audit import EPSILON_NATS, audit_passed, calibration_refusal, judge
 from traces import TraceError
@@ -80,7 +80,7 @@ def check_decisions(records: list[Record]) -> int:
                                            f"night's error budget recorded before it")
                 level = acceptance.model_copy(update={"confidence": shares[event.candidate]})
             _check_report(event, level, line, planned, estimator)
-            busy = idle_work(event.samples, b.max_idle_cpu)
+            busy = idle_work(event.samples, b.max_idle_cpu) or moved_by_code(event.samples)
             if busy:
                 raise TraceError(line, f"benchmark of candidate {event.candidate} counted, though {busy}")
         elif isinstance(event, TokenAudit):

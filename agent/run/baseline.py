@@ -129,7 +129,7 @@ def noise_floor(setup: RunSetup, pool: ServerPool, reference: Server, production
     try:
         result = asyncio.run(bench.compare(fixed, production, peers[0] if peers else reference, setup.vocab_size,
                                            seeds))
-    except (bench.WorkMismatch, bench.HarnessBound, bench.IdleWork) as exc:
+    except (bench.WorkMismatch, bench.HarnessBound, bench.NotCounted) as exc:
         raise NoiseFloorFailed(f"the baseline's A/A benchmark failed: {exc}") from None
     finally:
         for server in peers:

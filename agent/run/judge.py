@@ -174,7 +174,7 @@ class Judge:
         try:
             seeds = [secrets.randbits(63) for _ in range(task.benchmark.repetitions + 1)]
             result = asyncio.run(bench.compare(task, self.incumbent.server, twin, self.s.vocab_size, seeds))
-        except (bench.WorkMismatch, bench.HarnessBound, bench.IdleWork, bench.PassFailed, *ANSWER_ERRORS) as exc:
+        except (bench.WorkMismatch, bench.HarnessBound, bench.NotCounted, bench.PassFailed, *ANSWER_ERRORS) as exc:
             return self._null_failed(f"its benchmark failed: {exc}")
         finally:
             self.pool.release(twin)
@@ -215,7 +215,7 @@ class Judge:
             result = asyncio.run(bench.compare(
                 self.task, self.incumbent.server, server, self.s.vocab_size, seeds,
                 on_sample=lambda sample: self.emit(SampleTaken(candidate=n, sample=sample, confirmation=confirmation))))
-        except (bench.WorkMismatch, bench.HarnessBound, bench.IdleWork) as exc:
+        except (bench.WorkMismatch, bench.HarnessBound, bench.NotCounted) as exc:
             raise Rejected("benchmark", str(exc)) from None
         except bench.PassFailed as exc:
             if exc.role == "candidate":

