@@ -24,6 +24,9 @@ def pytest_collection_modifyitems(items):
         elif item.get_closest_marker("docker"):
             item.add_marker(pytest.mark.contained)
             item.add_marker(pytest.mark.slow)
+    # Docker tests last (a stable sort: whole modules move, so no module fixture is built twice): CI builds the
+    # sandbox image while the first tests run (.ci/run, `engine` waits for it)
+    items.sort(key=lambda item: item.get_closest_marker("docker") is not None)
 
 
 def has_vllm() -> bool:
@@ -51,12 +54,35 @@ def vllm_checkout(tmp_path_factory, nightshift_cache) -> Path:
 SANDBOX_IMAGE = os.environ.get("NIGHTSHIFT_SANDBOX_IMAGE", "nightshift-sandbox:cpu")
 
 
+IMAGE_BUILD_ENV = "NIGHTSHIFT_IMAGE_BUILD"
+"""Set by .ci/run while scripts/docker-image.sh runs beside the tests: the folder where the build writes its log
+(`log`) and, once it ends, its exit code (`rc`)."""
+
+
+def wait_for_image_build(timeout_s: float = 1800) -> None:
+    """Where the sandbox image is being built beside the tests, wait for the build to end; fail if it failed."""
+    folder = os.environ.get(IMAGE_BUILD_ENV)
+    if not folder:
+        return
+    import time
+
+    rc, deadline = Path(folder) / "rc", time.monotonic() + timeout_s
+    while not rc.exists():
+        if time.monotonic() > deadline:
+            pytest.fail(f"the sandbox image build beside the tests did not end in {timeout_s:.0f} s ({folder}/log)")
+        time.sleep(2)
+    if rc.read_text().strip() != "0":
+        log = (Path(folder) / "log").read_text(errors="replace")[-3000:]
+        pytest.fail(f"the sandbox image build failed (exit {rc.read_text().strip()}):\n{log}")
+
+
 @pytest.fixture(scope="session")
 def engine():
     """The Docker engine, with the sandbox image built (scripts/docker-engine.sh, scripts/docker-image.sh); skipped
     only when no engine answers."""
     from sandbox.docker_backend import DockerUnavailable, connect
 
+    wait_for_image_build()
     try:
         client = connect()
     except DockerUnavailable as exc:
@@ -74,9 +100,10 @@ def run_dir(tmp_path):
     return path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def vllm_tree(tmp_path_factory, vllm_checkout):
-    """A candidate tree as the loop builds one: a worktree with bytecode and linked compiled parts."""
+    """A candidate tree as the loop builds one: a worktree with bytecode and linked compiled parts (read-only to the
+    tests that serve it)."""
     import git
 
     from agent.stages.build import build
@@ -85,6 +112,22 @@ def vllm_tree(tmp_path_factory, vllm_checkout):
     git.Repo(vllm_checkout).git.worktree("add", "--detach", str(tree), "HEAD")
     build(0, tree, [])
     return tree
+
+
+@pytest.fixture(scope="session")
+def local_greedy_tokens(tmp_path_factory, vllm_tree, nightshift_cache) -> list[int]:
+    """tests/real_vllm.py's greedy completion from real vLLM served by the local backend on vllm_tree: what every
+    other backend must return too (one local server for all of them)."""
+    from sandbox.local import LocalSandbox
+    from tests.real_vllm import greedy_tokens, real_vllm_spec
+
+    run_dir = tmp_path_factory.mktemp("local-greedy") / f"run-{uuid.uuid4().hex[:8]}"
+    run_dir.mkdir()
+    server = LocalSandbox(None, run_dir).start(real_vllm_spec(vllm_tree, "real-vllm-local"))
+    try:
+        return greedy_tokens(server)
+    finally:
+        server.stop()
 
 
 # The stand-in judging kit's fixtures (tests/stand_in.py)

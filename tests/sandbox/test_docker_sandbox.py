@@ -24,7 +24,7 @@ from sandbox.docker_spec import SANDBOX_UID
 from sandbox.host import cpu_seconds, process_tree, server_pid
 from tests.conftest import SANDBOX_IMAGE
 from tests.hostile.plant import hostile_spec, observed
-from tests.real_vllm import ONE_PROCESS
+from tests.real_vllm import greedy_tokens, real_vllm_spec
 
 
 def hostile(tmp_path: Path, act: str, name: str | None = None, **fields) -> ServerSpec:
@@ -244,40 +244,20 @@ def test_leftovers_of_a_killed_run_are_reaped_on_the_next_start(engine, tmp_path
 
 @pytest.mark.vllm
 @pytest.mark.timeout(1800)
-def test_real_vllm_serves_a_greedy_completion_in_the_container(engine, vllm_tree, nightshift_cache, run_dir):
-    from agent.world.checkpoint import ensure_synthetic
-
-    model = ensure_synthetic(ROOT / "tasks" / "models" / "gemma4-tiny" / "config.json", seed=0, dtype="bfloat16")
-    spec = ServerSpec(name="real-vllm", labels={"candidate": "baseline"}, source_tree=vllm_tree, model_dir=model.path,
-                      engine_args={"dtype": "bfloat16", "max_model_len": 512, "enforce_eager": True, **ONE_PROCESS},
-                      env={"VLLM_CPU_KVCACHE_SPACE": "1"}, startup_timeout_s=420)
+def test_real_vllm_serves_a_greedy_completion_in_the_container(engine, vllm_tree, local_greedy_tokens, run_dir):
+    """Real vLLM starts and serves in a container of the sandbox image, imports from the mounted candidate tree, and
+    returns the greedy tokens the same tree returns served locally."""
     sandbox = DockerSandbox(config(memory_gb=8, pids_limit=4096, tmpfs_mb=2048), run_dir)
     started = time.monotonic()
-    server = sandbox.start(spec)
+    server = sandbox.start(real_vllm_spec(vllm_tree))
     startup_s = time.monotonic() - started
     try:
-        with server.sync_client(120) as client:
-            reply = client.post("/v1/completions", json={
-                "model": "model", "prompt": [2, 17, 99, 5, 301], "max_tokens": 8, "temperature": 0,
-                "return_token_ids": True}).json()
-        [choice] = reply["choices"]
-        assert len(choice["token_ids"]) == 8 and all(isinstance(t, int) for t in choice["token_ids"]), reply
+        tokens = greedy_tokens(server)
         imports = server.imported_files()
         assert "vllm/entrypoints/openai/api_server.py" in imports or "vllm/entrypoints/cli/serve.py" in imports
         assert any(f.startswith("vllm/v1/") for f in imports)
     finally:
         outcome = server.stop()
     assert outcome == "ok", server.logs()
-    print(f"real vLLM in the container: healthy after {startup_s:.0f}s, tokens {choice['token_ids']}")
-
-    from sandbox.local import LocalSandbox
-
-    local = LocalSandbox(None, run_dir).start(spec.model_copy(update={"name": "real-vllm-local"}))
-    try:
-        with local.sync_client(120) as client:
-            same = client.post("/v1/completions", json={
-                "model": "model", "prompt": [2, 17, 99, 5, 301], "max_tokens": 8, "temperature": 0,
-                "return_token_ids": True}).json()
-    finally:
-        local.stop()
-    assert same["choices"][0]["token_ids"] == choice["token_ids"], "the container changed the greedy output"
+    print(f"real vLLM in the container: healthy after {startup_s:.0f}s, tokens {tokens}")
+    assert tokens == local_greedy_tokens, "the container changed the greedy output"
