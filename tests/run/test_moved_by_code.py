@@ -1,7 +1,7 @@
 """Engine arguments moved by code (issue: the candidate that cannot cheat, item 4). A change inside the edit surface
 can make the scheduler hold more sequences than the max_num_seqs its serving flags declare: a flags change in
 disguise, outside edit_surface.engine_args. The harness's client sees how many requests stream at once in every pass
-(Sample.decoding_max); a candidate that streams more than its declared max_num_seqs, where the incumbent kept to its
+(Sample.decoding_at_once); a candidate that streams more than its declared max_num_seqs, where the incumbent kept to its
 own, is rejected at `benchmark` (agent/stages/stats.py moved_by_code), and replay re-derives it."""
 import pytest
 
@@ -14,7 +14,7 @@ from traces.schema import Sample
 
 def sample(role: str, declared: int | None, seen: int | None) -> Sample:
     return Sample(role=role, repetition=0, seconds=1.0, input_tokens=1, output_tokens=1, total_tokens_per_s=2.0,
-                  output_tokens_per_s=1.0, max_num_seqs=declared, decoding_max=seen)
+                  output_tokens_per_s=1.0, max_num_seqs=declared, decoding_at_once=seen)
 
 
 def test_the_rule_reads_both_sides_and_only_what_they_declare():
@@ -62,12 +62,13 @@ def test_a_change_that_serves_past_max_num_seqs_is_rejected_and_an_honest_faster
     records = read_trace(setup.run_dir / "trace.jsonl")
     samples = [r.event.sample for r in records if r.event.kind == "sample"]
     assert all(s.max_num_seqs == 4 for s in samples)
-    honest = [s.decoding_max for r in records if r.event.kind == "sample" and r.event.candidate == 2
+    honest = [s.decoding_at_once for r in records if r.event.kind == "sample" and r.event.candidate == 2
               for s in [r.event.sample]]
-    assert honest and max(honest) <= 6, honest  # the seats hold: 4, and a finished one's last chunk in flight
+    # the seats hold: 4 for nine tenths of the time (a momentary peak of 7 was seen at -n 4 under load)
+    assert honest and max(honest) <= 5, honest
     assert audit(setup.run_dir).commits == 1
 
     # the samples of the moved candidate's benchmark are kept: the rule read from them says the same again
     moved_samples = [r.event.sample for r in records if r.event.kind == "sample" and r.event.candidate == 1]
-    assert moved_samples and max(s.decoding_max for s in moved_samples if s.role == "candidate") > 8
+    assert moved_samples and max(s.decoding_at_once for s in moved_samples if s.role == "candidate") > 8
     assert moved_by_code(moved_samples) == decided[1].reason

@@ -1,6 +1,7 @@
 """Honest real vLLM at max_num_seqs 4 and 32: how many requests the harness's client sees streaming at once
-(Sample.decoding_max, agent/stages/stats.py moved_by_code). python3 benchmarks/noise-checks/decoding_max_probe.py
-from the project root; 2026-12-05, 2-core AMD EPYC: 4 in each of 6 passes at 4, 32 in each of 6 at 32."""
+(Sample.decoding_at_once, agent/stages/stats.py moved_by_code). python3 benchmarks/noise-checks/decoding_probe.py
+from the project root. 2026-12-05, 2-core AMD EPYC, quiet: 4 in each of 6 passes at max_num_seqs 4 and 32 in each of 6
+at 32, both as the momentary peak and as the level held nine tenths of the time."""
 import asyncio
 import random
 import sys
@@ -38,7 +39,7 @@ if __name__ == "__main__":
             with LoadClient(1) as load:
                 for rep in range(6):
                     p = asyncio.run(timed_pass(load, server, "incumbent", rep, prompts, 32, None, 120))
-                    seen.append((p.sample.decoding_max, p.sample.max_num_seqs, round(p.sample.seconds, 2)))
-            print("max_num_seqs", seqs, "passes (decoding_max, declared, s):", seen, flush=True)
+                    seen.append((p.sample.decoding_at_once, p.sample.max_num_seqs, round(p.sample.seconds, 2)))
+            print("max_num_seqs", seqs, "passes (decoding_at_once, declared, s):", seen, flush=True)
         finally:
             server.stop()
