@@ -3,11 +3,12 @@
 # under torch.profiler with its CUDA activity) on the GPU machine, from the offline vLLM payload
 # (../shared/gpu/build-payload.sh -> .payload/p1..pN) and the harness's wheels (gpu/fetch-wheels.sh -> .whl).
 # Calls back to back (a machine is given back about 30 s after a call; /tmp survives between calls while it is warm):
-#   stage PART     carry .payload/PART (and .whl with the first part): copied to /tmp/pl, wheels into /tmp/nsdeps
+#   stage PART     with .payload/PART in the tree (and .whl with the first part): copied to /tmp/pl, wheels to /tmp/nsdeps
 #   profile [S]    install the payload, copy this tree to /tmp/ns/repo, start the profile detached, then poll S s
-#   poll S         wait up to S s for the profile; its log, summary and cached JSON to $OUT
+#   poll S         wait up to S s for the profile; its log, summary and cached JSON to $RESULTS (default /tmp/ns/results)
 set -u
 NS=/tmp/ns
+RESULTS=${RESULTS:-$NS/results}
 TASK=${TASK:-tasks/gemma4-e2b.yaml}
 env_setup() {
   export PYTHONPATH=/tmp/site:/tmp/nsdeps:$NS/repo HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
@@ -38,8 +39,8 @@ case "${1:-}" in
     end=$((SECONDS + ${2:-420}))
     while [ $SECONDS -lt $end ] && ! grep -q "profile exit" $NS/profile.log 2>/dev/null; do sleep 5; done
     echo "profile running for $(( $(date +%s) - $(cat $NS/profile.began) )) s"
-    cp $NS/profile.log "$OUT/profile.log" 2>/dev/null
-    find $NS/cache -name '*.json' -path '*profile*' -newer $NS/profile.began -exec cp {} "$OUT/" \; 2>/dev/null
+    mkdir -p "$RESULTS" && cp $NS/profile.log "$RESULTS/profile.log" 2>/dev/null
+    find $NS/cache -name '*.json' -path '*profile*' -newer $NS/profile.began -exec cp {} "$RESULTS/" \; 2>/dev/null
     tail -c 6000 $NS/profile.log
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader ;;
   *) echo "usage: $0 stage PART | profile [SECONDS] | poll SECONDS"; exit 2 ;;
