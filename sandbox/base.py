@@ -54,6 +54,11 @@ class Endpoint:
 SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL", "AUTH")
 
 
+CACHE_DIRS = ("cache", ".triton")
+"""Per-server compile caches under the server's HOME (vLLM, its model inspection and inductor under cache/, Triton
+under .triton/): what a seed (`ServerSpec.cache_seed`) holds and every backend copies in before a start."""
+
+
 class ServerSpec(BaseModel):
     """What to run: `vllm serve` from `source_tree`, with the model and engine args given."""
 

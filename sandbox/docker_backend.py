@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import io
+import tarfile
 import tempfile
 import threading
 from pathlib import Path
@@ -16,9 +18,9 @@ from pathlib import Path
 import docker
 from docker.errors import DockerException, NotFound
 
-from sandbox.base import Endpoint, Outcome, Reachable, SandboxError, ServerSpec, read_imports, wait_healthy
+from sandbox.base import CACHE_DIRS, Endpoint, Outcome, Reachable, SandboxError, ServerSpec, read_imports, wait_healthy
 from sandbox.config import SandboxConfig
-from sandbox.docker_spec import IMPORT_LOG_NAME, LABEL, SANDBOX_UID, SOCKET_NAME, container_spec, slug
+from sandbox.docker_spec import EXPORTING, IMPORT_LOG_NAME, LABEL, SANDBOX_UID, SOCKET_NAME, container_spec, slug
 from sandbox.gpu_idle import gpu_memory_used_mib, wait_until_idle
 from sandbox.host import open_for_reading, owner_alive, process_identity
 from traces.errors import NightshiftError
@@ -190,8 +192,8 @@ class DockerSandbox:
             self.reap()
         gpus = list(spec.gpus or self.config.gpus)
         self.check_gpus_idle(gpus)
-        if os.getuid() == 0:  # the container runs as another user, who must read the tree and the model
-            for root in (Path(spec.source_tree), Path(spec.model_dir)):
+        if os.getuid() == 0:  # the container runs as another user, who must read the tree, the model and the seed
+            for root in (Path(spec.source_tree), Path(spec.model_dir), *([Path(spec.cache_seed)] if spec.cache_seed else [])):
                 if changed := open_for_reading(root.resolve()):
                     log.info("made %d paths under %s readable for the sandbox user", changed, root)
         io_dir = self.io_folder()
@@ -212,7 +214,21 @@ class DockerSandbox:
         return server
 
     def export_cache(self, server: DockerServer, dest: Path) -> None:
-        """Nothing: a container's caches stay on its tmpfs, and every container starts with empty ones."""
+        """Copy a (trusted) server's compile caches out of its tmpfs into `dest` (each later container is started
+        with them copied in: docker_spec.SEEDING). The engine's archive API cannot see a tmpfs, so a process in
+        the container writes them as a tar to its output."""
+        try:
+            result = server.container.exec_run(["python3", "-c", EXPORTING], demux=True)
+        except DockerException as exc:
+            log.warning("could not export %s's caches: %s", server.name, exc)
+            return
+        out, err = result.output
+        if result.exit_code != 0 or not out:
+            log.warning("could not export %s's caches: %s", server.name, (err or b"").decode(errors="replace")[-500:])
+            return
+        Path(dest).mkdir(parents=True, exist_ok=True)
+        with tarfile.open(fileobj=io.BytesIO(out)) as tar:
+            tar.extractall(dest, filter="data")
 
     def check_gpus_idle(self, gpus: list[int]) -> None:
         """The first sight of a GPU sets its idle level; later, wait for it to come back there."""

@@ -13,10 +13,28 @@ from pathlib import Path
 from typing import Any, Mapping
 
 
-from sandbox.base import ServerSpec, build_env, runtime_env, serve_argv
+from sandbox.base import CACHE_DIRS, ServerSpec, build_env, runtime_env, serve_argv
 
 TREE, MODEL, RECORDER, IO = "/sandbox/tree", "/sandbox/model", "/sandbox/recorder", "/sandbox/io"
+SEED = "/sandbox/seed"
 SCRATCH = "/tmp"
+SEEDING = ("import os, shutil, sys\n"
+           f"for name in {CACHE_DIRS!r}:\n"
+           f"    if os.path.isdir('{SEED}/' + name):\n"
+           "        try:\n"
+           f"            shutil.copytree('{SEED}/' + name, '{SCRATCH}/' + name, symlinks=True, dirs_exist_ok=True)\n"
+           "        except (OSError, shutil.Error):\n"
+           "            pass\n"
+           "os.execvp(sys.argv[1], sys.argv[1:])")
+"""The container's first process where a seed is mounted: copies its caches into the tmpfs (the only place a
+server writes; a file it cannot read is left out: a cache miss, not a failed start), then becomes the server (exec:
+the same process, so the init and the signals are unchanged)."""
+EXPORTING = ("import os, sys, tarfile\n"
+             "with tarfile.open(fileobj=sys.stdout.buffer, mode='w|') as tar:\n"
+             f"    for name in {CACHE_DIRS!r}:\n"
+             f"        if os.path.isdir('{SCRATCH}/' + name):\n"
+             f"            tar.add('{SCRATCH}/' + name, arcname=name)")
+"""Run in a trusted server's container: its caches as a tar on standard output (DockerSandbox.export_cache)."""
 SOCKET_NAME, IMPORT_LOG_NAME = "server.sock", "imports.txt"
 SANDBOX_UID = 10001
 LABEL = "nightshift"
@@ -37,9 +55,10 @@ def container_env(spec: ServerSpec, host_env: Mapping[str, str]) -> dict[str, st
                      runtime_env(SCRATCH, TREE, RECORDER, f"{IO}/{IMPORT_LOG_NAME}", user="nightshift"), spec)
 
 
-def container_command(spec: ServerSpec) -> list[str]:
+def container_command(spec: ServerSpec, seeded: bool = False) -> list[str]:
     inside = spec.model_copy(update={"model_dir": Path(MODEL)})
-    return ["python3", "-m", "vllm.entrypoints.cli.main", *serve_argv(inside), "--uds", f"{IO}/{SOCKET_NAME}"]
+    serve = ["python3", "-m", "vllm.entrypoints.cli.main", *serve_argv(inside), "--uds", f"{IO}/{SOCKET_NAME}"]
+    return ["python3", "-c", SEEDING, *serve] if seeded else serve
 
 
 def check_not_exposed(mounted: list[Path], private: list[Path]) -> None:
@@ -57,14 +76,15 @@ def container_spec(spec: ServerSpec, *, image: str, run: str, io_dir: Path, reco
     """Keyword arguments for `client.containers.create` (all paths on the host are absolute)."""
     tree, model = Path(spec.source_tree).resolve(), Path(spec.model_dir).resolve()
     io_dir, recorder = Path(io_dir).resolve(), Path(recorder).resolve()
-    check_not_exposed([tree, model, recorder, io_dir], [Path(p).resolve() for p in private])
+    seed = Path(spec.cache_seed).resolve() if spec.cache_seed and Path(spec.cache_seed).is_dir() else None
+    check_not_exposed([tree, model, recorder, io_dir, *([seed] if seed else [])], [Path(p).resolve() for p in private])
     labels = {k if k.startswith(f"{LABEL}.") else f"{LABEL}.{slug(k, 40)}": str(v) for k, v in spec.labels.items()}
     labels.setdefault(f"{LABEL}.candidate", spec.name)
     labels.update({LABEL: "sandbox", f"{LABEL}.run": run, f"{LABEL}.server": spec.name, f"{LABEL}.owner": owner,
                    f"{LABEL}.io": str(io_dir)})
     memory = f"{int(memory_gb * 1024)}m"
     kwargs: dict[str, Any] = dict(
-        image=image, command=container_command(spec), name=container_name(run, spec.name),
+        image=image, command=container_command(spec, seeded=seed is not None), name=container_name(run, spec.name),
         labels=labels, environment=container_env(spec, host_env), user=user, working_dir=SCRATCH,
         detach=True, init=True, read_only=True, network_mode="none",
         cap_drop=["ALL"], security_opt=["no-new-privileges"], ipc_mode="private",
@@ -77,6 +97,8 @@ def container_spec(spec: ServerSpec, *, image: str, run: str, io_dir: Path, reco
             str(io_dir): {"bind": IO, "mode": "rw"},
         },
     )
+    if seed is not None:  # the baseline's compile and model-inspection caches, read-only (copied in at start)
+        kwargs["volumes"][str(seed)] = {"bind": SEED, "mode": "ro"}
     if cpus:
         kwargs["nano_cpus"] = int(cpus * 1e9)
     if gpus:

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from sandbox.base import (Endpoint, Outcome, Reachable, SandboxError, ServerSpec, build_env, read_imports,
+from sandbox.base import (CACHE_DIRS, Endpoint, Outcome, Reachable, SandboxError, ServerSpec, build_env, read_imports,
                           runtime_env, serve_argv, wait_healthy)
 from sandbox.config import SandboxConfig
 from sandbox.host import (hold_processes, marked_processes, owner_alive, process_identity, process_tree, running,
@@ -23,8 +23,6 @@ RECORDER = Path(__file__).parent / "recorder"
 PASSED_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "LD_LIBRARY_PATH",
               "CUDA_HOME", "CUDA_VISIBLE_DEVICES")
 """Host variables a server inherits; anything else it needs (NCCL, NVSHMEM settings) is the task's engine.env."""
-CACHE_DIRS = ("cache", ".triton")
-"""Per-server compile caches under the server's HOME (vLLM/inductor under cache/, Triton under .triton/)."""
 PASSED_PREFIXES = ("VLLM_", "NVIDIA_")
 
 

@@ -29,7 +29,8 @@ from sandbox.base import (Endpoint, Outcome, Reachable, SandboxError, ServerSpec
 from sandbox.config import SandboxConfig
 from sandbox.docker_spec import check_not_exposed, slug
 from sandbox.host import hold_processes, open_for_reading, owner_alive, process_identity, process_tree, start_time
-from sandbox.local import CACHE_DIRS, PASSED_ENV, PASSED_PREFIXES, copy_caches
+from sandbox.base import CACHE_DIRS
+from sandbox.local import PASSED_ENV, PASSED_PREFIXES, copy_caches
 from traces.errors import NightshiftError
 
 log = logging.getLogger(__name__)

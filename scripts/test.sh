@@ -4,7 +4,8 @@
 #               A real vLLM server's start is import-bound in one process at a time, so a core is mostly free:
 #   wait-bound  beside it, two at a time (pytest-xdist, one file per worker): fake servers, git, subprocesses;
 #   contained   then, still beside it, one at a time: the sandboxes' containment with stub servers (Docker,
-#               namespaces and cgroups, and the namespace suite again as an unprivileged user);
+#               namespaces and cgroups, and the namespace suite again as an unprivileged user), and real vLLM's
+#               one start and one completion in each backend (no speed measured);
 #   paced       after it, three at a time (test by test; a module's shared run stays on one worker): runs of
 #               fake servers judged by their speed (crash-and-resume, judgement, report), with effects many times
 #               the noise. A fake server keeps its pace (tests/fake_vllm.py: token i is due i * delay after the

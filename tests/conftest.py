@@ -14,12 +14,14 @@ pytest_plugins = ["tests.report_guard", "pytester"]
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-    """A test with the real vLLM holds the machine: it is `heavy` (one at a time); a Docker test without it is
-    `contained` (one at a time, beside the heavy tier). Both are `slow` (left out by `scripts/test.sh --fast`).
-    Marked before `-m` selects."""
+    """A test with the real vLLM holds the machine: it is `heavy` (one at a time), unless it is marked `contained`
+    itself (one server's start and a completion, no speed measured: it runs beside the heavy tier); a Docker test
+    without the real vLLM is `contained`. All are `slow` (left out by `scripts/test.sh --fast`). Marked before `-m`
+    selects."""
     for item in items:
         if item.get_closest_marker("vllm"):
-            item.add_marker(pytest.mark.heavy)
+            if not item.get_closest_marker("contained"):
+                item.add_marker(pytest.mark.heavy)
             item.add_marker(pytest.mark.slow)
         elif item.get_closest_marker("docker"):
             item.add_marker(pytest.mark.contained)
@@ -115,17 +117,32 @@ def vllm_tree(tmp_path_factory, vllm_checkout):
 
 
 @pytest.fixture(scope="session")
-def local_greedy_tokens(tmp_path_factory, vllm_tree, nightshift_cache) -> list[int]:
+def real_vllm_seed(tmp_path_factory) -> Path:
+    """The caches `local_greedy_tokens`'s server exports (with tests/real_vllm.py's SEED_MARK), which the other
+    backends' real-vLLM servers start from, as a run's candidates start from its baseline's."""
+    from tests.real_vllm import SEED_MARK
+
+    path = tmp_path_factory.mktemp("real-vllm-seed")
+    (path / SEED_MARK).parent.mkdir(parents=True)
+    (path / SEED_MARK).write_text("seeded\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def local_greedy_tokens(tmp_path_factory, vllm_tree, nightshift_cache, real_vllm_seed) -> list[int]:
     """tests/real_vllm.py's greedy completion from real vLLM served by the local backend on vllm_tree: what every
-    other backend must return too (one local server for all of them)."""
+    other backend must return too (one local server for all of them). Its caches go to `real_vllm_seed`."""
     from sandbox.local import LocalSandbox
     from tests.real_vllm import greedy_tokens, real_vllm_spec
 
     run_dir = tmp_path_factory.mktemp("local-greedy") / f"run-{uuid.uuid4().hex[:8]}"
     run_dir.mkdir()
-    server = LocalSandbox(None, run_dir).start(real_vllm_spec(vllm_tree, "real-vllm-local"))
+    sandbox = LocalSandbox(None, run_dir)
+    server = sandbox.start(real_vllm_spec(vllm_tree, "real-vllm-local"))
     try:
-        return greedy_tokens(server)
+        tokens = greedy_tokens(server)
+        sandbox.export_cache(server, real_vllm_seed)
+        return tokens
     finally:
         server.stop()
 

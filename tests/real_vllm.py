@@ -9,8 +9,18 @@ GREEDY_REQUEST = {"model": "model", "prompt": [2, 17, 99, 5, 301], "max_tokens":
 """The one greedy completion the sandbox tests ask of real vLLM in each backend."""
 
 
-def real_vllm_spec(tree, name: str = "real-vllm"):
-    """The tiny CPU task's baseline as one server: the tree, its synthetic checkpoint (seed 0), 256 MiB of KV cache."""
+SEED_MARK = "cache/seeded-by-the-tests"
+"""A file the tests put in the seed that `local_greedy_tokens` exports: found in a server's own caches, it shows the
+backend copied the seed in."""
+
+
+MODEL_INSPECTION = "cache/vllm/modelinfos/vllm-model_executor-models-gemma4-Gemma4ForCausalLM.json"
+"""vLLM's cached inspection of the model class (about 8 s of a cold start here, in a subprocess of its own)."""
+
+
+def real_vllm_spec(tree, name: str = "real-vllm", seed=None):
+    """The tiny CPU task's baseline as one server: the tree, its synthetic checkpoint (seed 0), 256 MiB of KV cache;
+    `seed`, a folder of caches a baseline server exported (the run's `cache_seed`)."""
     from pathlib import Path
 
     from agent.world.checkpoint import ensure_synthetic
@@ -20,7 +30,18 @@ def real_vllm_spec(tree, name: str = "real-vllm"):
     model = ensure_synthetic(config, seed=0, dtype="bfloat16")
     return ServerSpec(name=name, labels={"candidate": "baseline"}, source_tree=tree, model_dir=model.path,
                       engine_args={"dtype": "bfloat16", "max_model_len": 512, "enforce_eager": True,
-                                   "kv_cache_memory_bytes": 256 << 20}, startup_timeout_s=420)
+                                   "kv_cache_memory_bytes": 256 << 20}, startup_timeout_s=420,
+                      cache_seed=seed)
+
+
+def seeded(sandbox, server, dest) -> list[str]:
+    """What of the seed a started server holds: its caches exported into `dest`, SEED_MARK and vLLM's model
+    inspection looked for there."""
+    from pathlib import Path
+
+    sandbox.export_cache(server, dest)
+    wanted = [SEED_MARK, MODEL_INSPECTION]
+    return [name for name in wanted if (Path(dest) / name).is_file()]
 
 
 def greedy_tokens(server) -> list[int]:

@@ -24,7 +24,7 @@ from sandbox.docker_spec import SANDBOX_UID
 from sandbox.host import cpu_seconds, process_tree, server_pid
 from tests.conftest import SANDBOX_IMAGE
 from tests.hostile.plant import hostile_spec, observed
-from tests.real_vllm import greedy_tokens, real_vllm_spec
+from tests.real_vllm import MODEL_INSPECTION, SEED_MARK, greedy_tokens, real_vllm_spec, seeded
 
 
 def hostile(tmp_path: Path, act: str, name: str | None = None, **fields) -> ServerSpec:
@@ -243,16 +243,19 @@ def test_leftovers_of_a_killed_run_are_reaped_on_the_next_start(engine, tmp_path
 
 
 @pytest.mark.vllm
+@pytest.mark.contained  # one start and one completion: beside the heavy tier
 @pytest.mark.timeout(1800)
-def test_real_vllm_serves_a_greedy_completion_in_the_container(engine, vllm_tree, local_greedy_tokens, run_dir):
+def test_real_vllm_serves_a_greedy_completion_in_the_container(engine, vllm_tree, local_greedy_tokens, real_vllm_seed, run_dir):
     """Real vLLM starts and serves in a container of the sandbox image, imports from the mounted candidate tree, and
     returns the greedy tokens the same tree returns served locally."""
     sandbox = DockerSandbox(config(memory_gb=8, pids_limit=4096, tmpfs_mb=2048), run_dir)
     started = time.monotonic()
-    server = sandbox.start(real_vllm_spec(vllm_tree))
+    server = sandbox.start(real_vllm_spec(vllm_tree, seed=real_vllm_seed))
     startup_s = time.monotonic() - started
     try:
         tokens = greedy_tokens(server)
+        # started from the local server's caches (vLLM's model inspection among them), and exports its own
+        assert seeded(sandbox, server, run_dir / "exported") == [SEED_MARK, MODEL_INSPECTION]
         imports = server.imported_files()
         assert "vllm/entrypoints/openai/api_server.py" in imports or "vllm/entrypoints/cli/serve.py" in imports
         assert any(f.startswith("vllm/v1/") for f in imports)

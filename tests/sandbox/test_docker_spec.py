@@ -8,7 +8,7 @@ import pytest
 from sandbox.base import SandboxError, ServerSpec, wait_healthy
 from sandbox.config import SandboxConfig
 from sandbox.docker_backend import DockerSandbox, DockerServer, GpuNotIdle
-from sandbox.docker_spec import IO, MODEL, RECORDER, SCRATCH, TREE, container_spec
+from sandbox.docker_spec import IO, MODEL, RECORDER, SCRATCH, SEED, SEEDING, TREE, container_spec
 from sandbox.gpu_idle import gpu_memory_used_mib, wait_until_idle
 
 SECRET_ENV = {"OPENAI_API_KEY": "sk-1", "HF_TOKEN": "hf-1", "VLLM_API_KEY": "v-1", "AWS_SECRET_ACCESS_KEY": "a",
@@ -240,6 +240,68 @@ def test_a_container_that_fails_to_start_is_removed_at_once(paths, state, outcom
     assert server.stop() == outcome and not paths["io"].exists()
 
 
-def test_containers_export_no_compile_caches(paths):
-    DockerSandbox(SandboxConfig(backend="docker"), paths["run"]).export_cache(None, paths["run"] / "seed")
-    assert not (paths["run"] / "seed").exists()
+def test_a_seeded_server_gets_the_seed_read_only_and_copies_it_in_before_it_serves(paths):
+    """The baseline's caches (vLLM's model inspection among them: 8 s of every cold start here) reach a container
+    through a read-only mount, copied into its tmpfs by its first process, which then execs the server."""
+    seed = paths["run"].parent / "seed"
+    (seed / "cache" / "vllm").mkdir(parents=True)
+    spec = build(paths, gpu_spec(paths, cache_seed=seed))
+    assert spec["volumes"][str(seed)] == {"bind": SEED, "mode": "ro"}
+    command = spec["command"]
+    assert command[:3] == ["python3", "-c", SEEDING] and command[3:] == build(paths, gpu_spec(paths))["command"]
+    assert "os.execvp(sys.argv[1], sys.argv[1:])" in SEEDING and f"'{SCRATCH}/' + name" in SEEDING
+    assert str(seed) not in build(paths, gpu_spec(paths, cache_seed=paths["run"].parent / "absent"))["volumes"]
+    with pytest.raises(ValueError, match="exposes"):  # a seed is mounted only where it exposes nothing private
+        build(paths, gpu_spec(paths, cache_seed=paths["run"].parent), private=[paths["run"]])
+
+
+def test_the_seeding_launcher_copies_what_it_can_and_becomes_the_server(tmp_path):
+    """SEEDING run for real (its two paths moved under tmp_path): the caches copied, a file that cannot be copied
+    (a FIFO) left out without failing the start, and the server command run in the same process."""
+    import subprocess
+    import sys
+
+    seed, scratch = tmp_path / "seed", tmp_path / "scratch"
+    (seed / "cache" / "vllm" / "modelinfos").mkdir(parents=True)
+    (seed / "cache" / "vllm" / "modelinfos" / "m.json").write_text("{}")
+    (seed / ".triton").mkdir()
+    os.mkfifo(seed / ".triton" / "pipe")
+    scratch.mkdir()
+    code = SEEDING.replace(SEED, str(seed)).replace(f"'{SCRATCH}/'", f"'{scratch}/'")
+    assert code.count(str(seed)) == 2 and code.count(str(scratch)) == 1
+    out = subprocess.run([sys.executable, "-c", code, sys.executable, "-c", "import os; print(os.getpid())"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert (scratch / "cache" / "vllm" / "modelinfos" / "m.json").read_text() == "{}"
+    assert out.stdout.strip().isdigit()
+
+
+def test_a_trusted_containers_caches_are_exported_from_its_tmpfs(paths, tmp_path):
+    """EXPORTING run for real in place of the container (its tmpfs moved under tmp_path): the caches come back as
+    a tar and land in the seed; a container that cannot answer leaves the seed as it was."""
+    import subprocess
+    import sys
+
+    scratch = tmp_path / "scratch"
+    (scratch / "cache" / "vllm" / "modelinfos").mkdir(parents=True)
+    (scratch / "cache" / "vllm" / "modelinfos" / "m.json").write_text('{"hash": "h"}')
+    (scratch / "elsewhere").mkdir()
+
+    class Container:
+        def __init__(self, fails=False):
+            self.fails = fails
+
+        def exec_run(self, argv, demux):
+            assert argv[:2] == ["python3", "-c"] and demux
+            if self.fails:
+                return type("R", (), {"exit_code": 1, "output": (b"", b"no python")})()
+            code = argv[2].replace(f"'{SCRATCH}/'", f"'{scratch}/'")
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+            return type("R", (), {"exit_code": done.returncode, "output": (done.stdout, done.stderr)})()
+
+    sandbox = DockerSandbox(SandboxConfig(backend="docker"), paths["run"])
+    sandbox.export_cache(type("S", (), {"container": Container(), "name": "baseline"})(), paths["run"] / "seed")
+    assert (paths["run"] / "seed" / "cache" / "vllm" / "modelinfos" / "m.json").read_text() == '{"hash": "h"}'
+    assert not (paths["run"] / "seed" / "elsewhere").exists()
+    sandbox.export_cache(type("S", (), {"container": Container(fails=True), "name": "b"})(), paths["run"] / "other")
+    assert not (paths["run"] / "other").exists()

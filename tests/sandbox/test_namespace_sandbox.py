@@ -25,7 +25,7 @@ from sandbox.base import SandboxError, ServerSpec
 from sandbox.config import SandboxConfig
 from sandbox.namespace import IO_ROOT, NamespaceSandbox, NamespaceUnavailable, probe
 from tests.hostile.plant import hostile_spec, observed
-from tests.real_vllm import greedy_tokens, real_vllm_spec
+from tests.real_vllm import MODEL_INSPECTION, SEED_MARK, greedy_tokens, real_vllm_spec, seeded
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.contained, pytest.mark.slow, pytest.mark.timeout(900)]  # root: namespaces, cgroups
@@ -397,16 +397,19 @@ def test_servers_start_from_the_exported_caches_at_one_tree_path(tmp_path, run_d
 
 
 @pytest.mark.vllm
+@pytest.mark.contained  # one start and one completion: beside the heavy tier
 @pytest.mark.timeout(1800)
-def test_real_vllm_serves_a_greedy_completion_in_the_namespace_sandbox(vllm_tree, local_greedy_tokens, run_dir):
+def test_real_vllm_serves_a_greedy_completion_in_the_namespace_sandbox(vllm_tree, local_greedy_tokens, real_vllm_seed, run_dir):
     """Real vLLM starts and serves in the namespace sandbox, imports from the candidate tree, and returns the greedy
-    tokens the same tree returns served locally."""
+    tokens the same tree returns served locally; it starts from the local server's exported caches."""
     sandbox = NamespaceSandbox(config(memory_gb=8, pids_limit=4096, tmpfs_mb=2048), run_dir)
     started = time.monotonic()
-    server = sandbox.start(real_vllm_spec(vllm_tree))
+    server = sandbox.start(real_vllm_spec(vllm_tree, seed=real_vllm_seed))
     startup_s = time.monotonic() - started
     try:
         tokens = greedy_tokens(server)
+        # started from the local server's caches (vLLM's model inspection among them), and exports its own
+        assert seeded(sandbox, server, run_dir / "exported") == [SEED_MARK, MODEL_INSPECTION]
         imports = server.imported_files()
         assert "vllm/entrypoints/openai/api_server.py" in imports or "vllm/entrypoints/cli/serve.py" in imports
         assert any(f.startswith("vllm/v1/") for f in imports)

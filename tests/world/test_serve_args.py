@@ -43,9 +43,8 @@ def test_the_e2b_levers_against_vllm_0_32():
         "env.VLLM_NOT_A_VARIABLE: vLLM reads no environment variable VLLM_NOT_A_VARIABLE"]
 
 
-@pytest.mark.vllm
 @pytest.mark.skipif(not has_vllm(), reason="vLLM is not installed")
-@pytest.mark.slow
+@pytest.mark.slow  # not `vllm`: it imports the installed vLLM in a subprocess and serves nothing (wait-bound tier)
 def test_the_installed_vllm_is_asked(tmp_path, monkeypatch):
     monkeypatch.setenv("NIGHTSHIFT_CACHE", str(tmp_path))
     check_levers(load_task(ROOT / "tasks" / "gemma4-tiny-cpu.yaml"), "0.32.0")
