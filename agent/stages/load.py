@@ -37,17 +37,21 @@ class Window:
         return self.end - self.start
 
 
+def levels(spans: list[tuple[float, float]]) -> list[tuple[float, int]]:
+    """(time, how many spans are open just after it) at each start and end of `spans`, in time order, an end before
+    a start at the same instant: the level of requests in flight (sent to done) or streaming (first token to done)."""
+    walk, level = [], 0
+    for at, step in sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans]):
+        level += step
+        walk.append((at, level))
+    return walk
+
+
 def steady_window(completions: list[Completion], prompt_lens: list[int], lanes: int) -> Window | None:
     """None where the pass never held `lanes` requests in flight before its drain began."""
     if not completions:
         return None
-    events = sorted([(c.sent, 1) for c in completions] + [(c.done, -1) for c in completions])
-    level, start = 0, None
-    for at, step in events:
-        level += step
-        if level >= lanes:
-            start = at
-            break
+    start = next((at for at, level in levels([(c.sent, c.done) for c in completions]) if level >= lanes), None)
     last_sent = max(c.sent for c in completions)
     end = min((c.done for c in completions if c.done > last_sent), default=None)
     if start is None or end is None or end <= start:
@@ -66,14 +70,11 @@ def decoding_at_once(completions: list[Completion]) -> int:
     """How many requests were streaming at once (from each one's first token to its last, as the client received
     them) for all but a tenth of the time any was: not the momentary peak, which a loaded client inflates (a request's
     end read late while the next one streams: 7 for a stand-in holding 4 seats, beside four other test workers)."""
-    marks = sorted([(c.first_token, 1) for c in completions if c.first_token is not None]
-                   + [(c.done, -1) for c in completions if c.first_token is not None], key=lambda m: (m[0], m[1]))
-    if not marks:
+    walk = levels([(c.first_token, c.done) for c in completions if c.first_token is not None])
+    if not walk:
         return 0
     held: dict[int, float] = {}
-    level = 0
-    for (at, step), (later, _) in zip(marks, marks[1:] + [marks[-1]]):
-        level += step
+    for (at, level), (later, _) in zip(walk, walk[1:] + walk[-1:]):
         held[level] = held.get(level, 0.0) + (later - at)
     total = sum(t for lvl, t in held.items() if lvl > 0)
     if total <= 0:
