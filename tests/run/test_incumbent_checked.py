@@ -20,6 +20,14 @@ pytestmark = [pytest.mark.paced, pytest.mark.slow]  # paced: keeps are measured 
 # fake run of 30-90 s
 
 CPU_RATE = 0.035
+PAIRS = {"warmup_requests": 2, "repetitions": 8, "request_timeout_s": 10, "max_client_busy": 1.0}
+"""The fading candidates' benchmarks: a fixed 8 pairs of 8 requests. With the stand-ins' 5, one starved pass in a
+loaded paced tier turned a 4x keep's confirmation into 2.31x [0.80, 6.72] (the 20% trimmed interval of 5 pairs
+rests on 3)."""
+WRONG_AFTER = 170
+"""Requests a fading candidate serves right: its parity (about 10), its benchmark and its confirmation (2 + 8 x 8
+each) come to about 140; the next benchmark, or the end-of-run audit (as many passes as a benchmark), takes it past
+170 halfway through."""
 
 
 def candidate(n: int, name: str, delay_s: float, subject: str, **config) -> tuple[str, str]:
@@ -77,16 +85,16 @@ def test_output_the_reference_cannot_score_rejects_the_candidate_and_the_run_goe
 
 
 def test_a_kept_change_that_turns_wrong_later_is_found_at_the_next_benchmark_and_taken_back(run):
-    """Candidate 1 is exact and faster through its own parity, benchmark and confirmation (about 90 requests), then
-    wrong on every request past 100. Candidate 2's benchmark finds the incumbent wrong, its audit on fresh prompts
+    """Candidate 1 is exact and faster through its own parity, benchmark and confirmation (about 140 requests), then
+    wrong on every request past WRONG_AFTER. Candidate 2's benchmark finds the incumbent wrong, its audit on fresh prompts
     confirms it, the branch goes back to the base's tree by a revert commit, and candidate 2 (an honest refactor) is
     measured again beside the restored incumbent; candidate 3, honest and faster, is kept, and passes the end-of-run
     audit."""
     setup, loop = run(dict([
-        candidate(1, "exact", 0.0025, "faster, wrong after 100 requests", wrong_after=100),
+        candidate(1, "exact", 0.0025, "faster, wrong later", wrong_after=WRONG_AFTER),
         candidate(2, "exact", 0.01, "an honest refactor"),
         candidate(3, "exact", 0.0025, "faster, same tokens"),
-    ]), budget={"max_candidates": 3})
+    ]), budget={"max_candidates": 3}, benchmark=PAIRS)
     finished = loop.run()
     got = decisions(setup)
     assert got[1].verdict == "keep", got[1].reason
@@ -121,10 +129,10 @@ def test_the_end_of_run_audit_takes_back_a_head_that_turned_wrong_and_replay_re_
     """The last keep turns wrong only after the run's last benchmark: the end-of-run audit of the branch head on fresh
     prompts finds it, the branch goes back, and the run reports nothing kept. Replay re-derives the revert, and
     refuses a trace whose revert has no failing audit behind it, or whose finished head was never audited."""
-    setup, loop = run(dict([candidate(1, "exact", 0.0025, "faster, wrong after 100 requests", wrong_after=100)]),
-                      budget={"max_candidates": 1})
+    setup, loop = run(dict([candidate(1, "exact", 0.0025, "faster, wrong later", wrong_after=WRONG_AFTER)]),
+                      budget={"max_candidates": 1}, benchmark=PAIRS)
     finished = loop.run()
-    assert decisions(setup)[1].verdict == "keep"
+    assert decisions(setup)[1].verdict == "keep", decisions(setup)[1].reason
     [reverted] = events(setup, "incumbent_reverted")
     assert reverted.candidate == 0 and reverted.kept_by == 1 and "end of the run" in reverted.reason
     assert finished.kept == 0 and finished.best_speedup == pytest.approx(1.0)

@@ -31,9 +31,8 @@ NO_CHILD_KILLING = {"RAY_kill_child_processes_on_worker_exit": "0", "RAY_process
 (as where the raylet itself was killed) and the resumed run must kill them."""
 
 
-pytestmark = [pytest.mark.paced, pytest.mark.slow, pytest.mark.xdist_group("parallel-resume")]
-# paced: keeps by speed (fake speedups of 2.5x and more) must repeat the uninterrupted run's; one worker for the
-# module, so its Ray instance and its uninterrupted run (about 35 s) are made once, not on each worker
+pytestmark = [pytest.mark.paced, pytest.mark.slow]  # paced: keeps by speed (fake speedups of 2.5x and more) must
+# repeat the uninterrupted run's
 
 
 @pytest.fixture(scope="module")
