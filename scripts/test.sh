@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # The test suite, as CI runs it (.ci/run). Five tiers, by what a test needs of the machine:
-#   heavy       one at a time, at nice 10: what holds the machine (real vLLM runs and benchmarks, in every backend;
-#               Ray). A real vLLM server's start is import-bound in one process at a time, so a core is mostly free:
+#   heavy       one at a time: what holds the machine (real vLLM servers, in every backend; Ray).
+#               A real vLLM server's start is import-bound in one process at a time, so a core is mostly free:
 #   wait-bound  beside it, two at a time (pytest-xdist, one file per worker): fake servers, git, subprocesses;
-#   contained   then, still beside it, one at a time, at nice 10: the sandboxes' containment with stub servers
-#               (Docker, namespaces and cgroups, and the namespace suite again as an unprivileged user), and real
-#               vLLM's one start and one completion in each backend (no speed measured);
-#   paced       beside the contained tier (and the heavy one), three at a time, at nice 0: runs of fake servers
-#               judged by their speed (crash-and-resume, judgement, report), with effects many times the noise. A
-#               fake server keeps its pace (tests/fake_vllm.py: token i is due i * delay after the request), and
-#               what it competes with runs at nice 10, so its clients and servers get a core when they wake (beside
-#               real vLLM at the same priority, 2-4 of these keeps failed in each of three clean-clone runs: they
-#               starved for CPU);
+#   contained   then, still beside it, one at a time: the sandboxes' containment with stub servers (Docker,
+#               namespaces and cgroups, and the namespace suite again as an unprivileged user), and real vLLM's
+#               one start and one completion in each backend (no speed measured);
+#   paced       after it, three at a time (test by test; a module's shared run stays on one worker): runs of
+#               fake servers judged by their speed (crash-and-resume, judgement, report), with effects many times
+#               the noise. A fake server keeps its pace (tests/fake_vllm.py: token i is due i * delay after the
+#               request), yet beside real vLLM 2-4 of these keeps failed in each of three clean-clone runs (the
+#               last with paced fakes): their clients and servers starve for CPU there, and the heavy tier grew by
+#               a fifth;
 #   serial      last, one at a time with nothing beside it: what measures CPU time or the host's noise.
 # Each tier prints its time and its slowest tests; the last line sums the tiers and the whole.
 #   scripts/test.sh                      # the whole suite
@@ -24,46 +24,36 @@ if [ "${1:-}" = --fast ]; then select="$select and not slow"; shift; fi
 temp=${NIGHTSHIFT_TEST_TMP:-$(mktemp -d /tmp/nightshift-tests.XXXXXX)}
 mkdir -p "$temp"
 began_all=$SECONDS
-LOW=10  # the heavy and contained tiers' niceness: the paced tier beside them gets a core when it wakes
-tier() {  # tier NAME KEY PYTEST-ARGS...: runs one tier (at $NICE, default 0), writes its exit code and seconds to
-          # $temp/KEY.rc/.s
+tier() {  # tier NAME KEY PYTEST-ARGS...: runs one tier, writes its exit code and seconds to $temp/KEY.rc/.s
   local name=$1 key=$2 began=$SECONDS rc; shift 2
-  nice -n "${NICE:-0}" python3 -m pytest -q -ra --durations=15 --basetemp="$temp/$key" "$@"
+  python3 -m pytest -q -ra --durations=15 --basetemp="$temp/$key" "$@"
   rc=$?
   [ "$rc" = 5 ] && rc=0  # nothing of this tier selected
   echo "tests: $name tier took $(( SECONDS - began )) s (exit $rc)"
   echo "$rc" > "$temp/$key.rc"
   echo "$(( SECONDS - began ))" > "$temp/$key.s"
 }
-paced() {
-  tier "paced (-n ${NIGHTSHIFT_PACED_WORKERS:-3})" paced -n "${NIGHTSHIFT_PACED_WORKERS:-3}" --dist loadgroup \
-    -m "$select and paced and not heavy and not serial" "$@"
-}
 beside() {
   tier "wait-bound (-n ${NIGHTSHIFT_TEST_WORKERS:-2})" wait -n "${NIGHTSHIFT_TEST_WORKERS:-2}" --dist loadfile \
     -m "$select and not heavy and not serial and not paced and not contained" "$@"
-  paced "$@" > "$temp/paced.log" 2>&1 &
-  local paced_pid=$!
-  NICE=$LOW tier contained contained -p no:xdist -m "$select and contained and not heavy and not serial" "$@"
-  wait "$paced_pid"
+  tier contained contained -p no:xdist -m "$select and contained and not heavy and not serial" "$@"
 }
 beside "$@" > "$temp/beside.log" 2>&1 &
 beside_pid=$!
-NICE=$LOW tier heavy heavy -p no:xdist -m "$select and heavy" "$@"
+tier heavy heavy -p no:xdist -m "$select and heavy" "$@"
 wait "$beside_pid"
 echo "----- the tiers run beside the heavy one -----"
 cat "$temp/beside.log"
-echo "----- the paced tier (beside the heavy and contained ones, after the wait-bound one) -----"
-cat "$temp/paced.log"
+tier "paced (-n ${NIGHTSHIFT_PACED_WORKERS:-3})" paced -n "${NIGHTSHIFT_PACED_WORKERS:-3}" --dist loadgroup \
+  -m "$select and paced and not heavy and not serial" "$@"
 tier serial serial -p no:xdist -m "$select and serial and not heavy" "$@"
 status=0
 for key in wait paced contained heavy serial; do
   rc=$(cat "$temp/$key.rc" 2>/dev/null || echo 2)
   [ "$rc" -gt "$status" ] && status=$rc
 done
-echo "tests: heavy $(cat "$temp/heavy.s") s; beside it wait-bound $(cat "$temp/wait.s") s, then contained" \
-     "$(cat "$temp/contained.s") s and paced $(cat "$temp/paced.s") s side by side; then serial" \
-     "$(cat "$temp/serial.s") s;" \
+echo "tests: heavy $(cat "$temp/heavy.s") s; beside it wait-bound $(cat "$temp/wait.s") s, contained" \
+     "$(cat "$temp/contained.s") s; then paced $(cat "$temp/paced.s") s, serial $(cat "$temp/serial.s") s;" \
      "whole suite $(( SECONDS - began_all )) s (exit $status)"
 if [ "$status" = 0 ] && [ -z "${NIGHTSHIFT_TEST_TMP:-}" ]; then
   rm -rf "$temp"
