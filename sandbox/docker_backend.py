@@ -6,10 +6,10 @@ read-write. The container's shape is decided by sandbox.docker_spec.container_sp
 """
 from __future__ import annotations
 
+import io
 import logging
 import os
 import shutil
-import io
 import tarfile
 import tempfile
 import threading
@@ -18,7 +18,7 @@ from pathlib import Path
 import docker
 from docker.errors import DockerException, NotFound
 
-from sandbox.base import CACHE_DIRS, Endpoint, Outcome, Reachable, SandboxError, ServerSpec, read_imports, wait_healthy
+from sandbox.base import Endpoint, Outcome, Reachable, SandboxError, ServerSpec, read_imports, wait_healthy
 from sandbox.config import SandboxConfig
 from sandbox.docker_spec import EXPORTING, IMPORT_LOG_NAME, LABEL, SANDBOX_UID, SOCKET_NAME, container_spec, slug
 from sandbox.gpu_idle import gpu_memory_used_mib, wait_until_idle
