@@ -12,6 +12,7 @@ import tempfile
 import sys
 import time
 from pathlib import Path
+from typing import Callable, TypeVar
 
 from sandbox.base import (CACHE_DIRS, Endpoint, Outcome, Reachable, SandboxError, ServerSpec, build_env, read_imports,
                           runtime_env, serve_argv, wait_healthy)
@@ -69,9 +70,22 @@ def holds_socket(pids: list[int], inodes: set[str]) -> bool:
     return False
 
 
+T = TypeVar("T")
 ADDRESS_IN_USE = "address already in use"
 PORT_ATTEMPTS = 3
 """Starts on a fresh port after another process took the last one between its choice and the server's bind."""
+
+
+def on_a_fresh_port(start: Callable[[], T]) -> T:
+    """start(), made again (on the fresh port it chooses) while the server exits unable to bind the port it was given
+    because another process took it first: PORT_ATTEMPTS times at most."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return start()
+        except SandboxError as exc:
+            if attempt == PORT_ATTEMPTS or exc.outcome != "crash" or ADDRESS_IN_USE not in exc.logs.lower():
+                raise
+    raise AssertionError("unreachable")
 
 
 def server_env(spec: ServerSpec, home: Path, import_log: Path, source_tree: Path, tmp: Path | None = None) -> dict[str, str]:
@@ -167,13 +181,7 @@ class LocalSandbox:
     def start(self, spec: ServerSpec, cancel: threading.Event | None = None) -> LocalServer:
         """A healthy server on a port of its own: a start whose port another process took first (the server
         exits unable to bind it) is made again on a fresh port, PORT_ATTEMPTS times at most."""
-        for attempt in range(1, PORT_ATTEMPTS + 1):
-            try:
-                return self._start(spec, cancel)
-            except SandboxError as exc:
-                if attempt == PORT_ATTEMPTS or exc.outcome != "crash" or ADDRESS_IN_USE not in exc.logs.lower():
-                    raise
-        raise AssertionError("unreachable")
+        return on_a_fresh_port(lambda: self._start(spec, cancel))
 
     def _start(self, spec: ServerSpec, cancel: threading.Event | None) -> LocalServer:
         home = self.root / spec.name

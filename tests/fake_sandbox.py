@@ -8,7 +8,7 @@ from pathlib import Path
 
 from sandbox.base import ServerSpec
 from sandbox.host import server_marks
-from sandbox.local import LocalServer, free_port, reap_servers, record_server, wait_healthy
+from sandbox.local import LocalServer, free_port, on_a_fresh_port, reap_servers, record_server, wait_healthy
 
 FAKE = Path(__file__).parent / "fake_vllm.py"
 
@@ -29,6 +29,11 @@ class FakeSandbox:
         self.stops: dict[str, int] = {}
 
     def start(self, spec: ServerSpec, cancel: threading.Event | None = None) -> LocalServer:
+        """As the local backend's: made again on a fresh port when another process took this one first (a neighbour
+        test's server bound it between free_port() and the fake's bind: 'Address already in use' in a paced run)."""
+        return on_a_fresh_port(lambda: self._start(spec, cancel))
+
+    def _start(self, spec: ServerSpec, cancel: threading.Event | None) -> LocalServer:
         home = self.root / spec.name
         shutil.rmtree(home, ignore_errors=True)
         home.mkdir(parents=True)

@@ -3,7 +3,6 @@
 No vLLM or torch is needed: the checkout is a real git repo of a pure-Python stand-in, and the servers
 are tests/fake_vllm.py processes (a causal stand-in model on loopback)."""
 import json
-import time
 from pathlib import Path
 
 import git
@@ -14,7 +13,6 @@ from agent.replay.chain import audit
 from agent.replay.evidence import check_decisions
 from agent.run.baseline import AuditNotCalibrated, SetupNotDeterministic
 from agent.run.judge import Judge
-from agent.run.loop import Loop
 from agent.run.worker import Worker
 from agent.stages.parity import ReferenceFailed
 from agent.face.report import write_summary
@@ -85,7 +83,7 @@ def test_a_candidate_exact_alone_and_wrong_in_batches_is_rejected_at_the_audit(r
     bench = next(e for e in records if e.kind == "benchmark" and e.candidate == 1)
     assert parity.ok and bench.ci_low > 1.05  # it passed parity and was measured faster
     token_audit = next(e for e in records if e.kind == "audit" and e.candidate == 1)
-    assert token_audit.requests == 5 * 8 and token_audit.tokens == 5 * 8 * 16
+    assert token_audit.requests == 8 * 8 and token_audit.tokens == 8 * 8 * 16
     assert token_audit.violation_count > 0 and token_audit.deficits.max == pytest.approx(8.0)
     v = token_audit.violations[0]
     assert f"pass {v.repetition}, request {v.request}, position {v.position}: returned {v.returned}" in decision.reason
@@ -224,7 +222,7 @@ def test_dedicated_parity_servers_start_beside_the_production_ones(run):
     setup, loop = run(
                       {"1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster")},
                       parity=DEDICATED,
-                      benchmark={"warmup_requests": 2, "repetitions": 5, "request_timeout_s": 10,
+                      benchmark={"warmup_requests": 2, "repetitions": 8, "request_timeout_s": 10,
                                  "max_client_busy": 1.0, "client_processes": 2})
     finished = loop.run()
     assert finished.kept == 1, decisions(setup)[1].reason
@@ -243,7 +241,7 @@ def test_dedicated_parity_servers_start_beside_the_production_ones(run):
     # each pass is on disk as soon as it is measured; the report adds the off-schedule flags, known once all are in
     as_taken = [s.model_copy(update={"flags": [f for f in s.flags if not f.startswith("off schedule")]})
                 for s in report.samples]
-    assert len(taken) == 10 and taken == as_taken
+    assert len(taken) == 16 and taken == as_taken
     assert all(0 < sample.client_busy <= 1 and sample.client_cpu_s > 0 for sample in taken)
 
 
@@ -335,9 +333,9 @@ def test_a_reference_that_stops_answering_ends_the_run_without_blaming_the_candi
 def test_a_win_must_repeat_in_an_independent_confirmation(run):
     # Candidate 1 is fast for its parity check and first benchmark, then slower than the incumbent: measured in runs
     # of this test, 18-49 requests come before the benchmark (parity's prompts, long requests and margins, the
-    # warmup) and a pass of this workload is 32, so after 210 it is slow for the whole confirmation but at most
-    # its first pass. Candidate 2 is fast throughout.
-    fading = mode("exact", 0.0025, slow_after=210, slow_delay_s=0.02)
+    # warmup) and a pass of this workload is 32: its first benchmark of 8 pairs ends by request 305, so after 310 it
+    # is slow for the whole confirmation but at most its first two passes. Candidate 2 is fast throughout.
+    fading = mode("exact", 0.0025, slow_after=310, slow_delay_s=0.02)
     setup, loop = run({
         "1-fading.patch": new_file_patch("vllm/fake_mode_1.json", fading, "faster once"),
         "2-fast.patch": new_file_patch("vllm/fake_mode_2.json", mode("exact", 0.0025), "faster"),
@@ -354,10 +352,10 @@ def test_a_win_must_repeat_in_an_independent_confirmation(run):
     assert got[2].speedup == reports[2, 1].speedup  # the estimate recorded is the confirmation's
     assert finished.kept == 1 and audit(setup.run_dir).commits == 1
     confirming = [e for e in records if e.kind == "sample" and e.confirmation == 1]
-    assert len(confirming) == 20 and {e.candidate for e in confirming} == {1, 2}
+    assert len(confirming) == 32 and {e.candidate for e in confirming} == {1, 2}  # 8 pairs each
 
 
-WEDGE_BENCHMARK = {"warmup_requests": 2, "repetitions": 5, "request_timeout_s": 60, "stall_timeout_s": 2,
+WEDGE_BENCHMARK = {"warmup_requests": 2, "repetitions": 8, "request_timeout_s": 60, "stall_timeout_s": 2,
                    "max_client_busy": 1.0}
 """A stream silent for 2 s fails its pass (tests/fake_vllm.py's FAKE_FREEZE stops a server after N requests)."""
 
@@ -394,7 +392,7 @@ def test_an_incumbent_that_freezes_mid_benchmark_is_replaced_and_the_candidate_m
     assert "threads (state:wait" in restart.reason
     report = next(e for e in records if e.kind == "benchmark" and e.confirmation == 0)
     assert sorted((s.role, s.repetition) for s in report.samples) == sorted(
-        (role, k) for role in ("incumbent", "candidate") for k in range(5))
+        (role, k) for role in ("incumbent", "candidate") for k in range(8))
     decision = decisions(setup)[1]
     assert (decision.verdict, decision.stage) == ("keep", "decision"), decision.reason
     assert finished.kept == 1 and audit(setup.run_dir).commits == 1
@@ -408,7 +406,6 @@ def test_an_incumbent_that_freezes_mid_benchmark_is_replaced_and_the_candidate_m
 def test_a_candidate_that_freezes_mid_benchmark_crashes_there_and_the_run_goes_on(run, monkeypatch):
     monkeypatch.setenv("FAKE_FREEZE", "candidate-1:10")  # 4 parity + 2 warm-up + 4 of its first pass
     setup, loop = run(two_fast("fast, then wedged"), benchmark=WEDGE_BENCHMARK)
-    began = time.monotonic()
     finished = loop.run()
     got = decisions(setup)
     assert (got[1].verdict, got[1].stage) == ("crash", "benchmark"), got[1].reason
@@ -417,7 +414,8 @@ def test_a_candidate_that_freezes_mid_benchmark_crashes_there_and_the_run_goes_o
     assert (got[2].verdict, got[2].stage) == ("keep", "decision"), got[2].reason
     kinds = [r.event.kind for r in read_trace(setup.run_dir / "trace.jsonl")]
     assert "incumbent_restarted" not in kinds and finished.kept == 1
-    assert time.monotonic() - began < 50  # the wedged candidate cost its stall timeout, not the 60 s request timeout
+    # the wedged candidate cost its stall timeout (2 s of silence), not the 60 s request timeout: a cause, not a clock
+    assert "stalled: no token arrived on any of" in got[1].reason, got[1].reason
     assert loop.pool.running == [] and stopped_once(loop)
 
 

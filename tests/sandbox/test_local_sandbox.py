@@ -486,3 +486,30 @@ def test_settle_waits_out_a_tail_and_gives_up_on_a_spinner():
     finally:
         for p in (tail, spinner, idle):
             p.kill()
+
+
+def test_a_start_is_made_again_only_for_a_lost_port_and_only_so_often():
+    """on_a_fresh_port (the local backend's and the stand-ins' sandbox): a server that exits unable to bind is
+    started again; any other crash is the server's own and raised at once; a port lost PORT_ATTEMPTS times is
+    raised, not tried forever."""
+    from sandbox.local import PORT_ATTEMPTS, on_a_fresh_port
+    lost = SandboxError("crash", "server exited during startup (exit code 1)", "OSError: [Errno 98] Address already in use")
+    own = SandboxError("crash", "server exited during startup (exit code 1)", "ImportError: no module named vllm")
+    calls = []
+
+    def start(failures):
+        def once():
+            calls.append(1)
+            if failures:
+                raise failures.pop(0)
+            return "healthy"
+        return once
+    assert on_a_fresh_port(start([lost, lost])) == "healthy" and len(calls) == 3
+    calls.clear()
+    with pytest.raises(SandboxError, match="exit code 1") as raised:
+        on_a_fresh_port(start([own, lost]))
+    assert "ImportError" in raised.value.logs and len(calls) == 1
+    calls.clear()
+    with pytest.raises(SandboxError) as raised:
+        on_a_fresh_port(start([lost] * (PORT_ATTEMPTS + 1)))
+    assert "Address already in use" in raised.value.logs and len(calls) == PORT_ATTEMPTS
