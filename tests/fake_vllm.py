@@ -373,6 +373,8 @@ class Handler(BaseHTTPRequestHandler):
     def answer_whole(self, body: dict, count: int, crowded: bool, picked: bool = False):
         stops = set(body.get("stop_token_ids") or []) | (set() if body.get("ignore_eos") else {EOS})
         steps = list(generate(body["prompt"], count, crowded, picked, stops))
+        if paced_as is not None:  # FAKE_PACE holds for whole answers too (parity's requests)
+            time.sleep(paced_as * len(steps))
         choice = {"index": 0, "text": "", "token_ids": [t for _, t in steps]}
         if body.get("logprobs"):
             choice["logprobs"] = {"top_logprobs": [

@@ -18,7 +18,7 @@ from agent.run.workspace import ApplyError
 from agent.stages import bench, liveness
 from agent.stages.build import BuildError, build
 from agent.stages.completions import ANSWER_ERRORS
-from agent.stages.parity import fresh_parity
+from agent.stages.parity import CalledOff, fresh_parity
 from agent.stages.stats import accepts
 from agent.stages.surface import engine_args_violation, surface_violation
 from agent.stages.token_audit import audit_passed, describe, run_audit
@@ -107,7 +107,9 @@ class Judge:
     def check_parity(self, trial: Trial, args: dict) -> tuple[Server, str]:
         """Parity on fresh prompts; returns the candidate's production server and the parity digest. With
         dedicated parity servers (batch-invariant mode, say) the candidate's two servers start side by side,
-        parity is checked as soon as the parity server answers, and a failure calls off the production start."""
+        parity is checked as soon as the parity server answers, and a failure calls off the production start; a
+        production start that fails while parity runs stops parity there (seen on a GPU: a production server out
+        of memory, then five minutes of parity that could decide nothing)."""
         n = trial.candidate
         requests = [ServerRequest(f"candidate-{n}", trial.tree, args)]
         if self.dedicated_parity:
@@ -116,7 +118,11 @@ class Judge:
         try:
             subject = started(starting, 0)
             try:
-                report = fresh_parity(self.task, self.s.vocab_size, self.reference, n, subject)
+                report = fresh_parity(self.task, self.s.vocab_size, self.reference, n, subject,
+                                      stop=starting.off if self.dedicated_parity else None)
+            except CalledOff:
+                started(starting, len(requests) - 1)  # raises the production start's failure, the candidate's crash
+                raise
             except ANSWER_ERRORS as exc:
                 raise Rejected("parity", f"candidate failed to answer: {exc}", "crash") from None
             self.emit(report)

@@ -5,6 +5,7 @@ import asyncio
 import hashlib
 import json
 import secrets
+import threading
 
 import numpy as np
 
@@ -19,6 +20,33 @@ class ReferenceFailed(NightshiftError, RuntimeError):
     """The reference server stopped answering: no candidate can be judged, so the run stops."""
 
     stage = "parity"
+
+
+class CalledOff(NightshiftError, RuntimeError):
+    """The check was stopped because a start beside it failed (a candidate's production server, while its parity
+    server was checked): its result would decide nothing."""
+
+    stage = "parity"
+
+
+CALLED_OFF_POLL_S = 0.25
+
+
+def run_unless(coro, stop: threading.Event | None):
+    """asyncio.run(coro); with `stop`, the coroutine is cancelled and CalledOff raised as soon as stop is set."""
+    if stop is None:
+        return asyncio.run(coro)
+
+    async def watched():
+        work = asyncio.ensure_future(coro)
+        while not work.done():
+            if stop.is_set():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                raise CalledOff("a start beside the parity check failed")
+            await asyncio.wait({work}, timeout=CALLED_OFF_POLL_S)
+        return work.result()
+    return asyncio.run(watched())
 
 
 def first_divergence(reference: list[list[int]], candidate: list[list[int]], expected_len: int) -> Divergence | None:
@@ -124,19 +152,21 @@ async def check_long(reference: Server, subject: Server, seed: int, shapes: list
     return sent, found
 
 
-def fresh_parity(task, vocab_size: int, reference: Server, candidate: int, subject: Server) -> ParityReport:
+def fresh_parity(task, vocab_size: int, reference: Server, candidate: int, subject: Server,
+                 stop: threading.Event | None = None) -> ParityReport:
     """The parity gate on freshly drawn prompts: `subject` against the reference, in the task's regime; then the
-    long requests (parity.long_prompts), of shapes drawn per check from a seed the trace records."""
+    long requests (parity.long_prompts), of shapes drawn per check from a seed the trace records. CalledOff as soon
+    as `stop` is set."""
     p = task.parity
     prompts = draw_prompts(secrets.randbits(63), p.num_prompts, p.input_len, vocab_size)
-    report = asyncio.run(check_parity(candidate, reference, subject, prompts, p.max_tokens, p.regime,
-                                      task.benchmark.request_timeout_s))
+    report = run_unless(check_parity(candidate, reference, subject, prompts, p.max_tokens, p.regime,
+                                     task.benchmark.request_timeout_s), stop)
     if not report.ok or not p.long_prompts:
         return report
     seed, reach = secrets.randbits(63), long_reach(task)
     shapes = long_shapes(seed, p.long_prompts, p.input_len + p.max_tokens, reach, p.long_production_share)
-    sent, divergence = asyncio.run(check_long(reference, subject, seed, shapes, vocab_size,
-                                              task.benchmark.request_timeout_s))
+    sent, divergence = run_unless(check_long(reference, subject, seed, shapes, vocab_size,
+                                             task.benchmark.request_timeout_s), stop)
     return report.model_copy(update={"ok": divergence is None, "long_seed": seed, "long_reach": reach,
                                      "long_requests": sent, "long_divergence": divergence,
                                      "divergence": divergence})

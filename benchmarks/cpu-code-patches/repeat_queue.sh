@@ -17,7 +17,11 @@ for i in $(seq 1 "$n"); do
 import json, sys
 from pathlib import Path
 from traces import read_trace
-records = read_trace(Path(sys.argv[1]) / "trace.jsonl")
+trace = Path(sys.argv[1]) / "trace.jsonl"
+if not trace.exists():  # the run did not start: its log says why
+    print(json.dumps({"run": Path(sys.argv[1]).name, "seconds": int(sys.argv[2]), "error": "no trace"}))
+    sys.exit(0)
+records = read_trace(trace)
 decisions = [r.event for r in records if r.event.kind == "decision"]
 floor = next((r.event for r in records if r.event.kind == "noise_floor"), None)
 print(json.dumps({"run": Path(sys.argv[1]).name, "seconds": int(sys.argv[2]),

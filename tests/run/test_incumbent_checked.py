@@ -21,9 +21,9 @@ pytestmark = [pytest.mark.paced, pytest.mark.slow]  # paced: keeps are measured 
 
 CPU_RATE = 0.035
 PAIRS = {"warmup_requests": 2, "repetitions": 8, "request_timeout_s": 10, "max_client_busy": 1.0}
-"""The fading candidates' benchmarks: a fixed 8 pairs of 8 requests. With the stand-ins' 5, one starved pass in a
-loaded paced tier turned a 4x keep's confirmation into 2.31x [0.80, 6.72] (the 20% trimmed interval of 5 pairs
-rests on 3)."""
+"""The fading candidates' benchmarks: a fixed 8 pairs of 8 requests (the stand-ins' own since). At 5, one starved
+pass in a loaded paced tier turned a 4x keep's confirmation into 2.31x [0.80, 6.72] (the paired t of 5 pairs, 4
+degrees of freedom: nothing is trimmed under 10)."""
 WRONG_AFTER = 170
 """Requests a fading candidate serves right: its parity (about 10), its benchmark and its confirmation (2 + 8 x 8
 each) come to about 140; the next benchmark, or the end-of-run audit (as many passes as a benchmark), takes it past

@@ -296,6 +296,27 @@ def test_a_production_start_that_fails_is_the_crash_not_the_parity_start_it_call
     assert loop.pool.running == []
 
 
+def test_a_production_start_that_fails_while_parity_runs_stops_parity_there(run, monkeypatch):
+    """Seen on a GPU: a candidate's production server ran out of memory while its parity server was checked, and
+    parity went on for five minutes that could decide nothing. Here the parity server answers at 0.5 s a token
+    (its prompts and long requests take over a minute) and the production server exits 3 s into its start: the
+    decision is the production server's crash at `start`, and parity was stopped, so no parity report is written."""
+    monkeypatch.setenv("FAKE_PACE", "candidate-1-parity:0.5")
+    setup, loop = run({"1-crash.patch": new_file_patch(
+        "vllm/fake_mode_1.json", mode("exact", 0.0025, production_start_s=3, production_crash=True),
+        "production server dies while parity runs")}, parity=DEDICATED)
+    loop.run()
+    decision = decisions(setup)[1]
+    assert (decision.verdict, decision.stage) == ("crash", "start"), decision.reason
+    assert "the production server crashes at startup" in decision.reason
+    records = [r.event for r in read_trace(setup.run_dir / "trace.jsonl")]
+    assert not [e for e in records if e.kind == "parity" and e.candidate == 1]  # stopped, not finished
+    starts = {line["server"]: line for line in map(json.loads, (setup.run_dir / "server_starts.jsonl").open())}
+    assert starts["candidate-1-parity"]["outcome"] == "ok" and starts["candidate-1"]["outcome"] != "ok"
+    assert fake_servers_of(setup.workspace.worktrees / "candidate-1") == []
+    assert loop.pool.running == [] and stopped_once(loop)
+
+
 def test_a_pass_whose_client_was_too_busy_is_not_trusted(run):
     setup, loop = run(
                       {"1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster")},
