@@ -113,3 +113,64 @@ def check_patches(task, repo) -> list[str]:
                              f"{first[0]}: {first[1]})")
     return [f"{name} does not apply to {base} ({cause}); it is still proposed, after the patches before it"
             for name, cause in failed.items()]
+
+
+GIB = 1 << 30
+RUNTIME_BYTES = 2 * GIB
+"""A GPU server's memory beside its weights and KV cache (CUDA context, activations, graph pools): an E2B production
+server on an H100 held 10.74 GiB before it allocated its KV cache, 8.86 GiB of it weights
+(benchmarks/results/h200-window-5.md)."""
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+def step_servers(task) -> list[tuple[str, dict]]:
+    """The servers one GPU holds at once at the busiest step of a run, each with its engine arguments: with parity
+    servers of their own, the reference and the incumbent's production server beside a candidate's parity and
+    production servers (the baseline phase holds as many at most: two parity servers, the production baseline and
+    the noise floor's second one); without, the reference, the incumbent and the candidate."""
+    engine = dict(task.engine.args)
+    if not task.parity.dedicated:
+        return [("reference", engine), ("incumbent", engine), ("candidate", engine)]
+    parity = {**engine, **task.parity.args}
+    return [("reference", parity), ("incumbent", engine), ("candidate's parity server", parity), ("candidate", engine)]
+
+
+def server_bytes(args: dict, weights_bytes: int, total_bytes: int) -> int:
+    """What one server takes: its weights, its fixed KV cache (kv_cache_memory_bytes) and its runtime; without a
+    fixed KV cache, vLLM takes gpu_memory_utilization of the whole GPU for all of it."""
+    if args.get("kv_cache_memory_bytes"):
+        return weights_bytes + int(args["kv_cache_memory_bytes"]) + RUNTIME_BYTES
+    return int(float(args.get("gpu_memory_utilization", DEFAULT_GPU_MEMORY_UTILIZATION)) * total_bytes)
+
+
+def check_gpu_memory(task, weights_bytes: int, total_bytes: int, device: str) -> None:
+    """The servers of the busiest step fit on the GPU together; else PreflightError, since every candidate's start
+    would then fail for want of memory that the run's own servers hold, and be recorded as the candidate's crash."""
+    servers = [(name, server_bytes(args, weights_bytes, total_bytes)) for name, args in step_servers(task)]
+    need = sum(size for _, size in servers)
+    if need <= total_bytes:
+        return
+    each = ", ".join(f"{name} {size / GIB:.1f}" for name, size in servers)
+    raise PreflightError(
+        f"the servers of one step do not fit on this GPU together: {each} GiB, about {need / GIB:.1f} GiB "
+        f"(weights {weights_bytes / GIB:.2f} GiB each, KV caches as engine.args and parity.args set them, "
+        f"{RUNTIME_BYTES / GIB:.0f} GiB of runtime each), and the {device} has {total_bytes / GIB:.1f} GiB: every "
+        f"candidate's start would fail for want of memory. Lower kv_cache_memory_bytes or gpu_memory_utilization "
+        f"(engine.args, parity.args), or run on a larger GPU")
+
+
+def weights_bytes(model_dir: Path) -> int:
+    """The bytes of a model folder's weight files."""
+    return sum(p.stat().st_size for pattern in ("*.safetensors", "*.bin", "*.pt") for p in Path(model_dir).glob(pattern))
+
+
+def check_model_fits(task, model_dir: Path) -> None:
+    """check_gpu_memory on the task's first GPU, where NVML can say what it holds; nothing for a CPU task."""
+    if not task.sandbox.gpus:
+        return
+    from agent.world.environment import gpu_memory
+
+    found = gpu_memory(task.sandbox.gpus[0])
+    if found is not None:
+        device, total = found
+        check_gpu_memory(task, weights_bytes(model_dir), total, device)

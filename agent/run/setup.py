@@ -21,7 +21,7 @@ import agent
 from agent.stages.build import build
 from agent.world.checkout import create_checkout, default_checkout_path, installed_vllm, open_checkout, version_tag
 from agent.world.checkpoint import CheckpointInfo, cache_root, prepare_model
-from agent.run.preflight import check_proposer
+from agent.run.preflight import check_model_fits, check_proposer
 from agent.run.relaxed import relaxed
 from agent.world.task import Task
 from agent.run.workspace import Workspace
@@ -143,6 +143,7 @@ def prepare_run(task: Task, runs_dir: Path, run_id: str | None = None, vllm_vers
     repo = prepare_checkout(task, version)
     warnings = check_proposer(task, repo)
     model = prepare_model(task)
+    check_model_fits(task, model.path)
     vocab_size = int(json.loads((model.path / "config.json").read_text())["vocab_size"])
     run_dir.mkdir(parents=True)
     lock = lock_run(run_dir)

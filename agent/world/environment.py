@@ -55,6 +55,26 @@ def _nvml(gpus: list[int]) -> dict | None:
         pynvml.nvmlShutdown()
 
 
+def gpu_memory(index: int) -> tuple[str, int] | None:
+    """(name, total bytes) of GPU `index` from NVML; None where nvidia-ml-py or the GPU is not there."""
+    if importlib.util.find_spec("pynvml") is None:
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        name = pynvml.nvmlDeviceGetName(handle)
+        return (name.decode() if isinstance(name, bytes) else name), int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+    except Exception:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def accelerator(gpus: list[int]) -> dict:
     """GPU model, driver and CUDA from NVML where nvidia-ml-py is importable; else "cpu" and the CPU model."""
     found = _nvml(gpus)
