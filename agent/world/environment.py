@@ -6,6 +6,7 @@ import importlib.util
 import platform
 import sys
 from pathlib import Path
+from typing import Callable
 
 import agent
 
@@ -29,50 +30,43 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _nvml(gpus: list[int]) -> dict | None:
-    if importlib.util.find_spec("pynvml") is None:
-        return None
-    try:
-        import pynvml
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
-        pynvml.nvmlInit()
-    except Exception:
+
+def _ask_nvml(question: Callable):
+    """question(pynvml) with NVML initialised (agent/world/gpu_state.py load_nvml); None where nvidia-ml-py, its
+    driver or a GPU is not there, or the question fails (NVML's errors are classes of their own, one per code)."""
+    from agent.world.gpu_state import load_nvml
+
+    nvml = load_nvml()
+    if nvml is None:
         return None
     try:
-        count = pynvml.nvmlDeviceGetCount()
-        names = []
-        for index in gpus or list(range(count)):
-            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(index))
-            names.append(name.decode() if isinstance(name, bytes) else name)
-        driver = pynvml.nvmlSystemGetDriverVersion()
-        cuda = pynvml.nvmlSystemGetCudaDriverVersion_v2()
-        return {"gpu": ", ".join(sorted(set(names))) or "none", "gpu_count": len(names),
-                "driver": driver.decode() if isinstance(driver, bytes) else driver,
-                "cuda_driver": f"{cuda // 1000}.{cuda % 1000 // 10}"}
+        return question(nvml)
     except Exception:
         return None
     finally:
-        pynvml.nvmlShutdown()
+        nvml.nvmlShutdown()
+
+
+def _nvml(gpus: list[int]) -> dict | None:
+    def ask(pynvml) -> dict:
+        indices = gpus or list(range(pynvml.nvmlDeviceGetCount()))
+        names = [_text(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(index))) for index in indices]
+        cuda = pynvml.nvmlSystemGetCudaDriverVersion_v2()
+        return {"gpu": ", ".join(sorted(set(names))) or "none", "gpu_count": len(names),
+                "driver": _text(pynvml.nvmlSystemGetDriverVersion()),
+                "cuda_driver": f"{cuda // 1000}.{cuda % 1000 // 10}"}
+    return _ask_nvml(ask)
 
 
 def gpu_memory(index: int) -> tuple[str, int] | None:
     """(name, total bytes) of GPU `index` from NVML; None where nvidia-ml-py or the GPU is not there."""
-    if importlib.util.find_spec("pynvml") is None:
-        return None
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:
-        return None
-    try:
+    def ask(pynvml) -> tuple[str, int]:
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        name = pynvml.nvmlDeviceGetName(handle)
-        return (name.decode() if isinstance(name, bytes) else name), int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
-    except Exception:
-        return None
-    finally:
-        pynvml.nvmlShutdown()
+        return _text(pynvml.nvmlDeviceGetName(handle)), int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+    return _ask_nvml(ask)
 
 
 def accelerator(gpus: list[int]) -> dict:
