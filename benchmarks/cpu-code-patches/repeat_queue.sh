@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The exact code patches 04 and 05 through the queue on the CPU task at its defaults (no --set), N times in a row,
-# each run on its own branch; prints each run's decisions and writes them to $OUT_DIR/runs.jsonl.
+# each run on its own branch; prints each run's decisions and writes them to runs.jsonl in the output folder (the second argument).
 #   bash benchmarks/cpu-code-patches/repeat_queue.sh 5 /tmp/queue-repeats
 set -euo pipefail
 cd "$(dirname "$0")/../.."
