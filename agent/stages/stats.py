@@ -100,23 +100,20 @@ def moved_by_code(samples) -> str | None:
     server kept to its own: the candidate's code moved an engine argument, which only the serving flags may change
     (edit_surface.engine_args). None if it counts, or where the passes do not say (no declared max_num_seqs, older
     traces, or an incumbent that does not keep to its own, as a stand-in server that ignores it)."""
-    sides = {}
-    for role in ("candidate", "incumbent"):
-        passes = [s for s in samples if s.role == role]
-        if not passes or any(s.max_num_seqs is None or s.decoding_at_once is None for s in passes):
-            return None
-        declared = passes[0].max_num_seqs
-        over = passes_over(passes, declared)
-        sides[role] = (declared, max(s.decoding_at_once for s in passes), over, len(passes),
-                       over >= max(MOVED_MIN, math.ceil(MOVED_SHARE * len(passes))))
-    (declared, seen, over, count, moved), (own_declared, own_seen, own_over, _, own_moved) = (sides["candidate"],
-                                                                                              sides["incumbent"])
-    if not moved or own_moved:
+    sides = {role: [s for s in samples if s.role == role] for role in ("candidate", "incumbent")}
+    if any(not passes or any(s.max_num_seqs is None or s.decoding_at_once is None for s in passes)
+           for passes in sides.values()):
         return None
+    over = {role: passes_over(passes, passes[0].max_num_seqs) for role, passes in sides.items()}
+    moved = {role: over[role] >= max(MOVED_MIN, math.ceil(MOVED_SHARE * len(passes))) for role, passes in sides.items()}
+    if not moved["candidate"] or moved["incumbent"]:
+        return None
+    mine, theirs = sides["candidate"], sides["incumbent"]
     return (f"an engine argument moved by code: the candidate's server streamed more requests at once than "
-            f"max_num_seqs {declared} allows in {over} of its {count} passes, up to {seen} (the incumbent's up to "
-            f"{own_seen} with {own_declared}, over it in {own_over}); change max_num_seqs as serving flags, where "
-            f"edit_surface.engine_args allows it")
+            f"max_num_seqs {mine[0].max_num_seqs} allows in {over['candidate']} of its {len(mine)} passes, up to "
+            f"{max(s.decoding_at_once for s in mine)} (the incumbent's up to {max(s.decoding_at_once for s in theirs)} "
+            f"with {theirs[0].max_num_seqs}, over it in {over['incumbent']}); change max_num_seqs as serving flags, "
+            f"where edit_surface.engine_args allows it")
 
 
 def estimate_speedup(candidate: list[float], incumbent: list[float], min_speedup: float,
