@@ -22,7 +22,7 @@ from agent.proposers.base import Attempt, ProposalContext
 from agent.proposers.flags import FlagsProposer
 from agent.proposers.llm import LlmProposer
 from agent.proposers.queue import QueueProposer
-from agent.run.setup import lock_run, prepare_run
+from agent.run.setup import RunLocked, lock_run, prepare_run
 from agent.world.task import FlagsProposer as FlagsConfig
 from agent.world.task import parse_task
 from tests.fake_sandbox import FakeSandbox
@@ -300,7 +300,15 @@ def test_resume_detached_returns_at_once_and_the_run_finishes_in_the_background(
     events = check_finished(run_dir, uninterrupted[1])
     assert [e.finishing for e in events if e.kind == "resumed"] == ["budget: candidates"]
     assert log.read_text().startswith("the killed harness's output\n")  # the resumed run's output goes on after it
-    lock_run(run_dir).close()  # the background harness has let go of the run
+    # the background harness lets go of the run when it exits, a moment after it writes its end
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            lock_run(run_dir, claim=False).close()
+            break
+        except RunLocked:
+            assert time.monotonic() < deadline, "the background harness still holds the run a minute after its end"
+            time.sleep(0.2)
 
 
 @pytest.mark.slow
