@@ -6,7 +6,7 @@
 #   contained   then, still beside it, one at a time: the sandboxes' containment with stub servers (Docker,
 #               namespaces and cgroups, and the namespace suite again as an unprivileged user), and real vLLM's
 #               one start and one completion in each backend (no speed measured);
-#   paced       after it, three at a time (test by test; a module's shared run stays on one worker): runs of
+#   paced       after it, four at a time (test by test, the longest modules first, tests/conftest.py): runs of
 #               fake servers judged by their speed (crash-and-resume, judgement, report), with effects many times
 #               the noise. A fake server keeps its pace (tests/fake_vllm.py: token i is due i * delay after the
 #               request), yet beside real vLLM 2-4 of these keeps failed in each of three clean-clone runs (the
@@ -44,7 +44,7 @@ tier heavy heavy -p no:xdist -m "$select and heavy" "$@"
 wait "$beside_pid"
 echo "----- the tiers run beside the heavy one -----"
 cat "$temp/beside.log"
-tier "paced (-n ${NIGHTSHIFT_PACED_WORKERS:-3})" paced -n "${NIGHTSHIFT_PACED_WORKERS:-3}" --dist loadgroup \
+tier "paced (-n ${NIGHTSHIFT_PACED_WORKERS:-4})" paced -n "${NIGHTSHIFT_PACED_WORKERS:-4}" --dist loadgroup \
   -m "$select and paced and not heavy and not serial" "$@"
 tier serial serial -p no:xdist -m "$select and serial and not heavy" "$@"
 status=0
