@@ -333,7 +333,7 @@ class Handler(BaseHTTPRequestHandler):
             delay_s = paced_as if paced_as is not None else config.get("delay_s", 0.002)
             if served > config.get("slow_after", served):
                 delay_s = config["slow_delay_s"]
-        seated = False
+        seated, self.counted = False, True
         try:
             count = body["max_tokens"]
             if config["mode"] == "short" and crowded:
@@ -357,6 +357,8 @@ class Handler(BaseHTTPRequestHandler):
                 if poisoned and step == config.get("poison_at", count // 2):
                     token = config.get("poison_token", 262144)
                 chunk = {"choices": [{"index": 0, "text": "", "token_ids": [token]}]}
+                if step == count - 1:
+                    self.leave()
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 self.wfile.flush()
             self.wfile.write(b"data: [DONE]\n\n")
@@ -364,11 +366,21 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             if seated:
                 seats.release()
-            with lock:
-                in_flight -= 1
-                if in_flight == 0:
-                    burn(True)
+            self.leave()
         self.close_connection = True
+
+    def leave(self):
+        """The request is no longer in flight: called before its last token is written, so that a client that
+        sends its next request on reading the answer never finds this one still counted (one at a time is never
+        crowded, however late this thread runs); again, as a no-op, when the handler ends."""
+        global in_flight
+        if not self.counted:
+            return
+        self.counted = False
+        with lock:
+            in_flight -= 1
+            if in_flight == 0:
+                burn(True)
 
     def answer_whole(self, body: dict, count: int, crowded: bool, picked: bool = False):
         stops = set(body.get("stop_token_ids") or []) | (set() if body.get("ignore_eos") else {EOS})
@@ -389,6 +401,7 @@ class Handler(BaseHTTPRequestHandler):
                 entries.append(entry)
             choice["prompt_logprobs"] = entries
         payload = json.dumps({"choices": [choice]}).encode()
+        self.leave()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(payload)))

@@ -1,5 +1,5 @@
-"""The `nightshift` command: run (and --resume), review, report, verify, replay, checkout, noise, validate, status,
-pack."""
+"""The `nightshift` command: run (and --resume), review, report, verify, replay, checkout, noise, validate,
+propose (a dry start), status, pack."""
 from __future__ import annotations
 
 import json
@@ -344,6 +344,44 @@ def noise(task_file: str = typer.Argument(DEFAULT_TASK, help=TASK_HELP),
 def validate(task_file: str = typer.Argument(..., help="a built-in task by name, or a task YAML by path")):
     """Check a task and print it resolved (its model config's path included)."""
     console.print_json(load_task(task_file).model_dump_json())
+
+
+@app.command()
+def propose(task_file: str = typer.Argument(DEFAULT_TASK, help="a built-in task by name, or a task YAML by path"),
+            checkout: Optional[Path] = typer.Option(None, help="the vLLM source checkout to read (default: the "
+                                                    "task's target.checkout, else the installed vLLM's)"),
+            settings: list[str] = typer.Option([], "--set", help="override a task field (repeatable; values are "
+                                               "YAML)"),
+            patch_out: Optional[Path] = typer.Option(None, "--patch", help="also write the proposed patch here")):
+    """A dry start: the task's proposer asked once for the first candidate, with no server and no GPU.
+    Shows, before a night on the GPU, that the task, the sources and the proposer (an LLM's endpoint, its request
+    contract and tools) work together. Runs nothing it proposes. Exit code 1: no proposal."""
+    from agent.proposers.base import ProposerExhausted
+    from agent.run.dry import dry_start
+
+    task = with_settings(load_task(task_file), settings)
+
+    def say(note: str) -> None:
+        console.print(f"[yellow]note:[/yellow] {escape(note)}", soft_wrap=True, highlight=False)
+
+    try:
+        dry = dry_start(task, checkout, say)
+    except ProposerExhausted as exc:
+        fail(f"no proposal: {exc}", 1)
+    proposal = dry.proposal
+    calls = dry.llm_calls
+    tokens = sum(c.usage.get("prompt_tokens", 0) + c.usage.get("completion_tokens", 0) for c in calls)
+    tools = [e.name for e in dry.events if e.kind == "tool_call"]
+    console.print(f"proposal 1 by {proposal.proposer}: {escape(proposal.summary)}", soft_wrap=True, highlight=False)
+    if calls:
+        console.print(f"{len(calls)} LLM calls ({sum(1 for c in calls if c.error)} failed), {tokens:,} tokens, "
+                      f"${dry.spend_usd:.4f}; tools: {', '.join(tools) or 'none'}", soft_wrap=True, highlight=False)
+    if proposal.engine_args:
+        console.print(f"engine args: {json.dumps(proposal.engine_args, sort_keys=True)}", highlight=False)
+    if proposal.patch:
+        print(proposal.patch, end="" if proposal.patch.endswith("\n") else "\n")
+    if patch_out:
+        patch_out.write_text(proposal.patch)
 
 
 @app.command()
