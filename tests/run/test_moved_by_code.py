@@ -65,7 +65,11 @@ def test_a_change_that_serves_past_max_num_seqs_is_rejected_and_an_honest_faster
                                         "hold 16 sequences whatever max_num_seqs says"),
         "2-honest.patch": new_file_patch("vllm/fake_mode_2.json", mode("exact", 0.0025, max_seqs=4),
                                          "each token 4x faster, 4 sequences at once"),
-    }, workload={"num_prompts": 16, "input_len": 16, "output_len": 16}, budget={"max_candidates": 2})
+    }, workload={"num_prompts": 16, "input_len": 16, "output_len": 64}, budget={"max_candidates": 2})
+    # 64 tokens a request: the honest candidate's pass (four waves of 4 seats, 2.5 ms a token) lasts about 0.64 s.
+    # At 16 tokens it lasted 0.16 s, and beside three other paced workers a client that read late for part of it
+    # made 2 of its 8 passes read 10 streaming at once (2.5x max_num_seqs 4): the level held for nine tenths of a
+    # pass (stages/load.py decoding_at_once) is a client's measure, and a stall was most of so short a pass
     assert setup.task.engine.args["max_num_seqs"] == 4
     loop.run()
     decided = decisions(setup)
