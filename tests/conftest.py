@@ -37,8 +37,8 @@ PACED_LONGEST_FIRST = ("tests/run/test_moved_by_code.py", "tests/stages/test_aud
                        "tests/run/test_loop_judgement.py")
 """The paced tier's modules with its longest tests (on 2 cores: the moved-by-code run about 120 s with three at once; at
 -n 3, the audit rule's noisy runs 99, 87 and 53 s, the honest noisy incumbents 78 s, parallel resumes 40-93 s,
-confirmations and null gates 45-58 s; the rest 20-40 s or less), in that order before every other module. pytest-
-xdist hands out tests in collection order, a few ahead to each worker: collected last, as their paths sort, two of
+confirmations and null gates 45-58 s; the rest 20-40 s or less), in that order before every other module. pytest-xdist
+hands out tests in collection order, a few ahead to each worker: collected last, as their paths sort, two of
 them ran one after the other on one worker while the others had finished (the tier took 775 s for 1,991 s of tests on
 three workers)."""
 
