@@ -9,7 +9,7 @@ import pytest
 from tests import stand_in
 
 ROOT = Path(__file__).resolve().parent.parent
-pytest_plugins = ["tests.report_guard", "pytester"]
+pytest_plugins = ["tests.report_guard", "tests.xdist_groups", "pytester"]
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -46,6 +46,26 @@ three workers)."""
 def paced_rank(item) -> int:
     path = item.nodeid.split("::")[0]
     return PACED_LONGEST_FIRST.index(path) if path in PACED_LONGEST_FIRST else len(PACED_LONGEST_FIRST)
+
+
+def once_per_session(tmp_path_factory, name: str, produce):
+    """produce()'s JSON value, made once for the whole pytest session: under pytest-xdist the first worker to ask
+    makes it and the others wait for it and read it (a module fixture is otherwise built again on every worker that
+    runs one of the module's tests: the parallel resume's uninterrupted run, a run on a local Ray instance, four times
+    at `-n 4`)."""
+    value = None
+    session = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not session:
+        return json.loads(json.dumps(produce()))
+    from filelock import FileLock
+
+    path = tmp_path_factory.getbasetemp().parent / f"{name}-{session}.json"
+    with FileLock(f"{path}.lock"):
+        if path.exists():
+            return json.loads(path.read_text())
+        value = json.loads(json.dumps(produce()))
+        path.write_text(json.dumps(value))
+    return value
 
 
 def has_vllm() -> bool:

@@ -16,6 +16,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from agent.replay.chain import audit  # noqa: E402
+from tests.conftest import once_per_session
 from tests.stand_in import fake_task, mode, new_file_patch
 from tests.run.test_resume import FAST_DELAY_S, PATCHES, fake_checkout, kept_patches, leftovers, worktrees, write_task_file  # noqa: E402,F401
 from traces import read_trace  # noqa: E402
@@ -96,18 +97,26 @@ def check_finished(run_dir: Path, expected: list) -> list:
 
 @pytest.fixture(scope="module")
 def uninterrupted(cluster, task_file, tmp_path_factory):
-    run_dir = start(cluster, task_file, tmp_path_factory.mktemp("runs"), "never-killed")
-    patches = kept_patches(run_dir)
-    assert len(patches) == 2 and "fake_mode_1.json" in patches[0][0] and "fake_mode_3.json" in patches[1][0]
-    check_finished(run_dir, patches)
-    return run_dir, patches
+    """A parallel run never killed and the patches it kept (made once for the session: tests/conftest.py
+    `once_per_session`)."""
+    def run():
+        run_dir = start(cluster, task_file, tmp_path_factory.mktemp("runs"), "never-killed")
+        patches = kept_patches(run_dir)
+        assert len(patches) == 2 and "fake_mode_1.json" in patches[0][0] and "fake_mode_3.json" in patches[1][0]
+        check_finished(run_dir, patches)
+        return str(run_dir), patches
+    run_dir, patches = once_per_session(tmp_path_factory, "parallel-resume-uninterrupted", run)
+    return Path(run_dir), [tuple(p) for p in patches]
 
 
 CRASHES = ["after:proposal:3", "after:benchmark:1", "after:decision:1", "before:commit:1", "after:commit:1",
            "after:remeasured:3"]
+HALVES = [pytest.mark.xdist_group("parallel-resume-a"), pytest.mark.xdist_group("parallel-resume-b")]
+"""The module's tests on two xdist workers, not one each: every worker that runs one starts a local Ray instance of
+its own (on 2 cores, four at once were the paced tier's largest use of CPU after the tests themselves)."""
 
 
-@pytest.mark.parametrize("crash", CRASHES)
+@pytest.mark.parametrize("crash", [pytest.param(c, marks=HALVES[i % 2]) for i, c in enumerate(CRASHES)])
 def test_a_parallel_run_killed_at_a_boundary_resumes_to_the_same_branch(crash, cluster, task_file, uninterrupted,
                                                                        tmp_path):
     run_dir = start(cluster, task_file, tmp_path / "runs", "killed", crash=crash)
@@ -135,6 +144,7 @@ def test_a_parallel_run_killed_at_a_boundary_resumes_to_the_same_branch(crash, c
     assert after.count("self_parity") == 3  # the baseline phase again, on each worker
 
 
+@HALVES[1]
 def test_a_parallel_run_killed_after_its_last_decision_only_finishes(cluster, task_file, uninterrupted, tmp_path):
     run_dir = start(cluster, task_file, tmp_path / "runs", "spent", crash="after:decision:4")
     resumed = harness(cluster, "resume", str(run_dir))

@@ -25,6 +25,7 @@ from agent.proposers.queue import QueueProposer
 from agent.run.setup import RunLocked, lock_run, prepare_run
 from agent.world.task import FlagsProposer as FlagsConfig
 from agent.world.task import parse_task
+from tests.conftest import once_per_session
 from tests.fake_sandbox import FakeSandbox
 from tests.stand_in import fake_task, mode, new_file_patch
 from traces import read_trace
@@ -139,10 +140,15 @@ def worktrees(run_dir: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(task_file, tmp_path_factory):
-    run_dir = start(task_file, tmp_path_factory.mktemp("runs"), "never-killed")
-    patches = kept_patches(run_dir)
-    assert len(patches) == 2 and "fake_mode_1.json" in patches[0][0] and "fake_mode_3.json" in patches[1][0]
-    return run_dir, patches
+    """A run never killed and the patches it kept (made once for the session: tests/conftest.py
+    `once_per_session`; its folder is only read)."""
+    def run():
+        run_dir = start(task_file, tmp_path_factory.mktemp("runs"), "never-killed")
+        patches = kept_patches(run_dir)
+        assert len(patches) == 2 and "fake_mode_1.json" in patches[0][0] and "fake_mode_3.json" in patches[1][0]
+        return str(run_dir), patches
+    run_dir, patches = once_per_session(tmp_path_factory, "resume-uninterrupted", run)
+    return Path(run_dir), [tuple(p) for p in patches]
 
 
 def check_finished(run_dir: Path, expected: list) -> list:
