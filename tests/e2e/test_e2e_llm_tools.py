@@ -36,7 +36,10 @@ def scripted_run(tmp_path_factory, vllm_checkout, engine):
         # No A/A before the first candidate here: tests/run/test_noise_floor.py runs it on this task. The audit runs
         # with the task's own rule (its honest noise on an AMX CPU is the control's too)
         task = with_overrides(task, target={"checkout": str(vllm_checkout)}, budget={"max_candidates": 2},
-                              benchmark={"noise_floor": False, "max_repetitions": None},
+                              # 5 pairs of 16 prompts, not 8 of 32: the expert's verdict by speed is not read here
+                              # (only that it reached the decision), and the adversary's audit needs batches, not pairs
+                              benchmark={"noise_floor": False, "max_repetitions": None, "repetitions": 5},
+                              workload={"num_prompts": 16},
                               parity={"num_prompts": 8},  # the task's 64 are tested in tests/run/test_loop_judgement.py
                               proposer={"kind": "llm", "base_url": server.base_url, "model": "scripted-expert",
                                         "api_key_env": None, "profile": False, "tools": "native",
