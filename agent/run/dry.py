@@ -12,7 +12,7 @@ from typing import Callable
 import git
 
 from agent.proposers import ProposalContext, make_proposer
-from agent.world.checkout import CheckoutError, create_checkout
+from agent.world.checkout import CheckoutError, create_checkout, version_in
 from agent.world.task import Task
 from traces.schema import AnyEvent, LlmCall, Proposal
 
@@ -34,14 +34,7 @@ class DryStart:
 
 def tree_version(tree: Path) -> str:
     """The vLLM version written in a source tree (vllm/_version.py), or "" where it has none."""
-    version_file = Path(tree) / "vllm" / "_version.py"
-    namespace: dict = {}
-    if version_file.is_file():
-        try:
-            exec(compile(version_file.read_text(), str(version_file), "exec"), namespace)
-        except Exception:  # noqa: BLE001 a tree whose version file does not run has no version to report
-            return ""
-    return str(namespace.get("__version__") or namespace.get("version") or "").split("+")[0]
+    return version_in(Path(tree) / "vllm")
 
 
 def source_repo(task: Task, checkout: Path | None) -> git.Repo:

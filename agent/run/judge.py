@@ -15,7 +15,8 @@ from agent.run.pool import ServerPool, ServerRequest, Starting
 from agent.run.setup import RunSetup
 from agent.run.trial import Trial
 from agent.run.workspace import ApplyError
-from agent.stages import bench, liveness
+from agent.run.baseline import START_LOG_CHARS
+from agent.stages import bench, engine_config, liveness
 from agent.stages.build import BuildError, build
 from agent.stages.completions import ANSWER_ERRORS
 from agent.stages.parity import CalledOff, fresh_parity
@@ -73,6 +74,7 @@ class Judge:
             files = self.apply(trial, proposal, args)
             self.build(n, trial.tree, files)
             production, digest = self.check_parity(trial, args)
+            self.check_engine_config(production, args)
             decision = self.evaluate(trial, production, files, audits)
         except Rejected as rejected:
             decision = Decision(candidate=n, verdict=rejected.verdict, stage=rejected.stage, reason=rejected.reason)
@@ -97,6 +99,16 @@ class Judge:
         self.emit(PatchApplied(candidate=trial.candidate, worktree=str(tree), parent_commit=self.s.workspace.head(),
                                files=files, engine_args=args))
         return files
+
+    def check_engine_config(self, production: Server, args: dict) -> None:
+        """A code change (the incumbent's engine arguments) must serve the incumbent's engine configuration, as its
+        server logged it at start (agent/stages/engine_config.py); a change of flags is judged as flags are (the log
+        cannot say which of its fields a flag moves). Before the benchmark: the cheapest check first."""
+        if dict(args) != dict(self.incumbent.args):
+            return
+        why = engine_config.moved_by_code(self.incumbent.server.logs(START_LOG_CHARS), production.logs(START_LOG_CHARS))
+        if why:
+            raise Rejected("benchmark", why)
 
     def build(self, n: int, tree, files: list[str]) -> None:
         try:

