@@ -40,13 +40,35 @@ _appending = 0
 _deferred: list[BaseException] = []
 
 
+_pending: BaseException | None = None
+"""The stop a signal handler raised (interrupt) until the run's top has taken it (taken): should code between the
+handler and the top swallow it, the next safe point raises it again (raise_pending). Seen once: a run sent SIGTERM at
+its first benchmark pass on a loaded 2-core host ran on to its end and exited 0."""
+
+
 def interrupt(exc: BaseException) -> None:
     """Raise `exc` now, or, while a record is being written, as soon as it is whole and counted: a signal handler's
     way out of a run (SIGTERM), so the record that closes the run never repeats a sequence number."""
+    global _pending
+    _pending = exc
     if _appending:
         _deferred.append(exc)
         return
     raise exc
+
+
+def raise_pending() -> None:
+    """At a point where nothing is on its way out (between benchmark passes, between candidates): a stop that was
+    raised and has not reached the run's top is raised again."""
+    if _pending is not None:
+        raise _pending
+
+
+def taken(exc: BaseException) -> None:
+    """The run's top caught `exc`: the pending stop, if it is that one, is delivered."""
+    global _pending
+    if exc is _pending:
+        _pending = None
 
 
 class TraceWriter:

@@ -27,6 +27,7 @@ from agent.run.state import End, RunState
 from agent.run.worker import Worker, WorkerResult
 from sandbox import make_sandbox
 from sandbox.base import Sandbox
+from traces.log import raise_pending, taken
 from traces.schema import AnyEvent, Decision, DuplicateDropped, Proposal, Remeasured, RunFinished
 
 if TYPE_CHECKING:
@@ -169,6 +170,7 @@ class Loop:
                 self.state.end = self.schedule() or End("candidates")
                 self.slots.final()
         except BaseException as exc:
+            taken(exc)
             self.state.failed(exc)
             raise
         finally:
@@ -181,6 +183,7 @@ class Loop:
     def schedule(self) -> End | None:
         stop = None
         while True:
+            raise_pending()  # a stop (SIGTERM) that code on its way out swallowed
             if not stop:
                 stop = self.state.over_budget(None) or self.fill()
             if not self.slots.in_flight():

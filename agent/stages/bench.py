@@ -25,6 +25,7 @@ from agent.world.task import Task
 from agent.stages.token_audit import Output
 from sandbox.base import Server
 from sandbox.host import cpu_seconds, machine_cpu, major_faults, server_pid
+from traces.log import raise_pending
 from traces.schema import BenchReport, Sample
 
 
@@ -357,6 +358,7 @@ async def _compare(load: LoadClient, task: Task, incumbent: Server, candidate: S
             samples.append(sample)
             kept.append(passes[role])
             on_sample(sample)
+            raise_pending()  # a stop (SIGTERM) that code on its way out swallowed
             if sample.client_busy > b.max_client_busy:
                 raise HarnessBound(
                     f"{role} repetition {repetition}: a load client process was busy {sample.client_busy:.0%} of "

@@ -124,3 +124,24 @@ def test_a_sigterm_while_a_record_is_written_stops_after_it_and_the_closing_reco
         writer.close()
     assert stopped.value.code == 128 + signal.SIGTERM
     assert [r.seq for r in read_trace(path)] == [0, 1, 2]
+
+
+def test_a_stop_that_code_on_its_way_out_swallowed_is_raised_again_until_the_run_takes_it():
+    """SIGTERM's handler raises SystemExit(143) wherever the harness is (traces.log.interrupt). Should code between
+    there and the run's top swallow it, the next safe point (between benchmark passes, between candidates) raises it
+    again; once the run's top has taken it, nothing is pending."""
+    from traces import log
+
+    stop = SystemExit(143)
+    try:
+        log.interrupt(stop)
+    except SystemExit:
+        pass  # swallowed on its way out
+    with pytest.raises(SystemExit) as again:
+        log.raise_pending()
+    assert again.value is stop
+    log.taken(SystemExit(1))  # another exception reaching the top leaves the stop pending
+    with pytest.raises(SystemExit):
+        log.raise_pending()
+    log.taken(stop)
+    log.raise_pending()  # delivered: nothing is raised
