@@ -53,7 +53,6 @@ def once_per_session(tmp_path_factory, name: str, produce):
     makes it and the others wait for it and read it (a module fixture is otherwise built again on every worker that
     runs one of the module's tests: the parallel resume's uninterrupted run, a run on a local Ray instance, four times
     at `-n 4`)."""
-    value = None
     session = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if not session:
         return json.loads(json.dumps(produce()))
@@ -65,7 +64,7 @@ def once_per_session(tmp_path_factory, name: str, produce):
             return json.loads(path.read_text())
         value = json.loads(json.dumps(produce()))
         path.write_text(json.dumps(value))
-    return value
+        return value
 
 
 def has_vllm() -> bool:
