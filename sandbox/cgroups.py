@@ -90,6 +90,12 @@ class Cgroup:
         parents = {"": v2_parent()} if self.mode == "cgroup2" else v1_parents()
         if not parents or None in parents.values():
             raise OSError(f"no writable {self.mode} hierarchy for the harness's cgroup")
+        if self.mode == "cgroup1" and not cpus:
+            # A v1 `cpu` group of its own would make the whole server one scheduling entity, weighed as one thread
+            # of the harness's group: beside busy processes it would get a smaller share of the cores than the
+            # same server run locally. Without a CPU cap it stays in the harness's group, scheduled as a local
+            # server is (benchmarks/results/cpu-noise-backends.md).
+            parents = {controller: path for controller, path in parents.items() if controller != "cpu"}
         folder = {}
         for controller, parent in parents.items():
             (parent / name).mkdir()

@@ -8,8 +8,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 class SandboxConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    backend: str = "local"
-    """A registered backend (sandbox/registry.py): local, docker, namespace, or one a file registers."""
+    backend: str = "namespace"
+    """A registered backend (sandbox/registry.py): namespace (the default: each server in fresh Linux namespaces as
+    its own user, reaching nothing of the run but itself), docker, local (no isolation: flags and trusted patches
+    only), or one a file registers. docs/sandbox.md says what each guarantees."""
     image: str = "nightshift-sandbox:cpu"
     gpus: list[int] = Field(default_factory=list)
     memory_gb: float = Field(8, gt=0)

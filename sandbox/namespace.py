@@ -59,18 +59,24 @@ class NamespaceUnavailable(NightshiftError, RuntimeError):
     stage = "sandbox"
 
 
+OTHER_BACKENDS = ("run as root, or set `sandbox.backend: docker` (a Docker engine; scripts/docker-engine.sh), or "
+                  "`local` (no isolation: a candidate reaches every process and file of the run; flags and trusted "
+                  "patches only); docs/sandbox.md")
+
+
 @functools.cache
 def probe() -> tuple[bool, str]:
     """(whether the server needs a user namespace, what was found); raises NamespaceUnavailable."""
     if shutil.which("unshare") is None:
-        raise NamespaceUnavailable("the namespace sandbox needs util-linux's `unshare`; none is on PATH")
+        raise NamespaceUnavailable(f"the namespace sandbox needs util-linux's `unshare`; none is on PATH; {OTHER_BACKENDS}")
     userns = os.geteuid() != 0
     argv = ["unshare", *UNSHARE, *(["--user", "--map-root-user"] if userns else []), "true"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     if done.returncode != 0:
         why = done.stderr.strip() or f"exit code {done.returncode}"
         raise NamespaceUnavailable(f"cannot create namespaces with `{' '.join(argv)}`: {why}"
-                                   + (" (not root, and no unprivileged user namespaces)" if userns else ""))
+                                   + (" (not root, and no unprivileged user namespaces)" if userns else "")
+                                   + f"; {OTHER_BACKENDS}")
     return userns, "user namespace (uid 0 inside, no capabilities)" if userns else "root: server runs as its own uid"
 
 

@@ -31,6 +31,15 @@ def _off(value, reference) -> bool:
     return reference is True and value is False
 
 
+ISOLATION = {"local": 0, "namespace": 1, "docker": 2}
+"""The built-in backends by how much of the run a candidate's server can reach (docs/sandbox.md): `local` all of it,
+`namespace` and `docker` only its own server, `docker` with seccomp and AppArmor besides. Others are not ranked."""
+
+
+def _weaker_sandbox(value, reference) -> bool:
+    return value in ISOLATION and reference in ISOLATION and ISOLATION[value] < ISOLATION[reference]
+
+
 LOOSER: dict[str, Callable[[Any, Any], bool]] = {
     "acceptance.min_speedup": _lower,
     "acceptance.confidence": _lower,
@@ -41,12 +50,14 @@ LOOSER: dict[str, Callable[[Any, Any], bool]] = {
     "benchmark.noise_floor": _off,
     "parity.num_prompts": _lower,
     "parity.max_tokens": _lower,
+    "parity.long_prompts": _lower,
     "audit.enabled": _off,
     "audit.sample": _fewer_of_all,
     "audit.hard_bound_nats": _higher,
     "audit.rate_ratio": _higher,
     "audit.tolerance_nats": _higher,
     "audit.max_aa_rate": _higher,
+    "sandbox.backend": _weaker_sandbox,
 }
 """Setting -> whether a value is looser than a reference. A setting a task does not have is skipped."""
 

@@ -2,6 +2,7 @@
 no traceback, and nothing on disk (no run folder, the checkout's status and branches as they were)."""
 import importlib.util
 import os
+import shutil
 import re
 import subprocess
 import sys
@@ -207,6 +208,15 @@ def test_docker_not_running(home):
     task = task_file(home, sandbox={"backend": "docker"})
     checked(home, task, causes=("no Docker engine reachable",),
             env={"DOCKER_HOST": f"unix://{home / 'dead.sock'}"})
+
+
+def test_where_the_default_sandbox_cannot_run_the_run_stops_naming_the_others(home):
+    """The default backend is `namespace`. On a machine where its namespaces cannot be made (here no `unshare` on
+    PATH, only git) the run stops before anything starts, naming the other two backends and what `local` gives up."""
+    (home / "bin").mkdir()
+    (home / "bin" / "git").symlink_to(shutil.which("git"))
+    message = checked(home, task_file(home), causes=("needs util-linux's `unshare`",), env={"PATH": str(home / "bin")})
+    assert "sandbox.backend: docker" in message and "`local` (no isolation" in message, message
 
 
 @pytest.mark.parametrize("command", ["review", "replay", "status"])

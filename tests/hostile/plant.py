@@ -41,3 +41,46 @@ def observed(server) -> dict:
     """What the stub server saw from inside its sandbox."""
     with server.sync_client(30) as client:
         return client.get("/observed").json()
+
+
+def try_the_neighbours(sandbox, tmp_path: Path, run_dir: Path, startup_timeout_s: float = 60,
+                       harness: bool = True) -> tuple[dict, dict]:
+    """A victim server (benign, a marker in its environment) and then the `neighbours` act in the same sandbox and
+    run, told the victim's host pids (and the harness's, with `harness`), the marker and host paths of the run folder
+    and of the victim's home and scratch. -> (what the act managed, what it was told plus the victim's state after:
+    `stopped` pids, whether it still answered). Every path is first checked readable by the harness itself, so an
+    unread path means the sandbox kept it out, not that it was missing."""
+    import json
+    import os
+    import uuid
+
+    from sandbox.host import process_tree, server_pid, stat_fields
+
+    marker = "victim-" + uuid.uuid4().hex
+    victim = sandbox.start(hostile_spec(tmp_path, "benign", name="victim", startup_timeout_s=startup_timeout_s,
+                                        env={"NIGHTSHIFT_VICTIM": marker}))
+    try:
+        pids = sorted(process_tree(server_pid(victim)))
+        assert pids, "the harness sees none of the victim's processes"
+        (run_dir / "trace.jsonl").write_text('{"event": "the run\'s own record"}\n')
+        homes = [getattr(victim, name, None) for name in ("home", "folder")]
+        paths = [str(run_dir / "trace.jsonl"), *(str(p) for p in homes if p is not None),
+                 f"/proc/{server_pid(victim)}/root/tmp", f"/proc/{server_pid(victim)}/environ"]
+        for path in paths:  # raises where the harness itself cannot read it
+            os.listdir(path) if os.path.isdir(path) else Path(path).read_bytes()
+        told = {"pids": pids + ([os.getpid()] if harness else []), "marker": marker, "paths": paths}
+        spec = hostile_spec(tmp_path, "neighbours", startup_timeout_s=startup_timeout_s)
+        reach = spec.source_tree / "vllm" / "entrypoints" / "cli" / "reach.json"
+        reach.write_text(json.dumps(told))
+        reach.chmod(0o644)
+        adversary = sandbox.start(spec)
+        try:
+            seen = observed(adversary)
+        finally:
+            adversary.stop()
+        told["stopped"] = [pid for pid in pids if stat_fields(pid)[0] == "T"]
+        with victim.sync_client(30) as client:
+            told["answers"] = client.get("/health").status_code == 200
+    finally:
+        victim.stop()
+    return seen, told

@@ -6,7 +6,7 @@ import json
 import os
 import socketserver
 import sys
-from http.server import BaseHTTPRequestHandler
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 OBSERVED: dict = {}
 
@@ -53,6 +53,11 @@ class UnixHTTPServer(socketserver.UnixStreamServer):
 
 def serve(observed: dict) -> None:
     OBSERVED.update(observed)
+    if "--uds" not in sys.argv:  # the local backend: a TCP port on the loopback
+        port = int(sys.argv[sys.argv.index("--port") + 1])
+        print("stub: serving on port", port, flush=True)
+        with ThreadingHTTPServer(("127.0.0.1", port), Handler) as server:
+            server.serve_forever()
     uds = sys.argv[sys.argv.index("--uds") + 1]
     io_dir = os.path.dirname(uds)
     try:

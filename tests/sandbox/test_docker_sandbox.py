@@ -23,7 +23,7 @@ from sandbox.docker_backend import DockerSandbox
 from sandbox.docker_spec import SANDBOX_UID
 from sandbox.host import cpu_seconds, process_tree, server_pid
 from tests.conftest import SANDBOX_IMAGE
-from tests.hostile.plant import hostile_spec, observed
+from tests.hostile.plant import hostile_spec, observed, try_the_neighbours
 from tests.real_vllm import MODEL_INSPECTION, SEED_MARK, greedy_tokens, real_vllm_spec, seeded
 
 
@@ -264,3 +264,18 @@ def test_real_vllm_serves_a_greedy_completion_in_the_container(engine, vllm_tree
     assert outcome == "ok", server.logs()
     print(f"real vLLM in the container: healthy after {startup_s:.0f}s, tokens {tokens}")
     assert tokens == local_greedy_tokens, "the container changed the greedy output"
+
+
+def test_a_candidate_cannot_reach_the_runs_other_processes_or_files(engine, tmp_path, run_dir):
+    """The candidate that wins by slowing the incumbent, in a container: told the host pids of another server of
+    the run (a container too) and of the harness, the marker in the other server's environment, and host paths of
+    the run folder and of the other server's socket folder and scratch, it sees, signals, traces and opens none of
+    them; the other server runs on, never stopped."""
+    sandbox = DockerSandbox(config(), run_dir)
+    seen, told = try_the_neighbours(sandbox, tmp_path, run_dir, startup_timeout_s=120)
+    assert seen["act"] == "neighbours", seen
+    assert seen["marked"] == [] and seen["signalled"] == [] and seen["traced"] == [], seen
+    assert seen["read"] == [], seen
+    assert told["stopped"] == [] and told["answers"], told
+    assert_next_candidate_runs(engine, sandbox, tmp_path)
+

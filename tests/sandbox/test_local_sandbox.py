@@ -513,3 +513,20 @@ def test_a_start_is_made_again_only_for_a_lost_port_and_only_so_often():
     with pytest.raises(SandboxError) as raised:
         on_a_fresh_port(start([lost] * (PORT_ATTEMPTS + 1)))
     assert "Address already in use" in raised.value.logs and len(calls) == PORT_ATTEMPTS
+
+
+def test_a_local_candidate_reaches_the_runs_other_processes_and_files(tmp_path):
+    """What docs/sandbox.md says of `local`, checked: no isolation. The candidate that wins by slowing the incumbent
+    finds the other server by the marker in its environment, may stop and trace it, and reads the run folder and
+    the other server's home; why `local` is for flags and trusted patches only, and not the default."""
+    from tests.hostile.plant import try_the_neighbours
+
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    seen, told = try_the_neighbours(LocalSandbox(None, run_dir), tmp_path, run_dir, harness=False)
+    assert seen["act"] == "neighbours", seen
+    assert set(told["pids"]) <= set(seen["visible"]) and seen["marked"], seen
+    assert set(told["pids"]) <= set(seen["signalled"]), seen  # stopped and let go at once: it answers after
+    assert set(told["paths"]) == set(seen["read"]), seen
+    assert told["answers"], told
+

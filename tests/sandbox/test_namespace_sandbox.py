@@ -24,7 +24,7 @@ from sandbox import cgroups, make_sandbox
 from sandbox.base import SandboxError, ServerSpec
 from sandbox.config import SandboxConfig
 from sandbox.namespace import IO_ROOT, NamespaceSandbox, NamespaceUnavailable, probe
-from tests.hostile.plant import hostile_spec, observed
+from tests.hostile.plant import hostile_spec, observed, try_the_neighbours
 from tests.real_vllm import MODEL_INSPECTION, SEED_MARK, greedy_tokens, real_vllm_spec, seeded
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -300,6 +300,21 @@ def test_secrets_are_out_of_reach(tmp_path, run_dir, monkeypatch):
     assert control <= set(seen["hits"]), seen["hits"]
     leaks = [hit for hit in seen["hits"] if hit not in control and not hit.endswith("/environ")]
     assert leaks == [], leaks  # /proc/*/environ hits are the control variable, seen by each process
+    assert_next_candidate_runs(sandbox, tmp_path)
+
+
+def test_a_candidate_cannot_reach_the_runs_other_processes_or_files(tmp_path, run_dir):
+    """The candidate that wins by slowing the incumbent: told the host pids of another server of the run and of the
+    harness, the marker in the other server's environment, and host paths of the run folder and of the other
+    server's folder and scratch, it sees none of those processes, signals and traces none, and opens none of the
+    paths; the other server runs on, never stopped."""
+    sandbox = NamespaceSandbox(config(), run_dir)
+    seen, told = try_the_neighbours(sandbox, tmp_path, run_dir)
+    assert seen["act"] == "neighbours", seen
+    assert seen["marked"] == [] and seen["signalled"] == [] and seen["traced"] == [], seen
+    assert seen["read"] == [], seen
+    assert len(seen["visible"]) <= 3, seen["visible"]  # its pid 1 and itself: its own pid namespace only
+    assert told["stopped"] == [] and told["answers"], told
     assert_next_candidate_runs(sandbox, tmp_path)
 
 

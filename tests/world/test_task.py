@@ -113,3 +113,11 @@ def test_loosened_checks_are_named_against_the_defaults_and_the_task_file():
     # a trace of before the record held them: against the defaults only
     assert [e["setting"] for e in relaxed(run.model_dump(mode="json"))] == [
         "acceptance.min_speedup", "benchmark.max_idle_cpu", "audit.enabled", "audit.sample", "audit.hard_bound_nats"]
+    # isolation: `local` reaches every process and file of the run, so it is looser than the default namespace;
+    # docker is as strict or stricter; a backend a file registers is not ranked
+    assert [describe(e) for e in relaxed(with_settings(task, ["sandbox.backend=local"]), task)] == [
+        "sandbox.backend=local (default namespace)"]
+    assert relaxed(with_settings(task, ["sandbox.backend=docker"]), task) == []
+    # fewer long parity requests than the task's: less of the served lengths checked
+    assert [describe(e) for e in relaxed(with_settings(task, ["parity.long_prompts=1"]), task)] == [
+        "parity.long_prompts=1 (default 4)"]
