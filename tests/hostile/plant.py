@@ -84,3 +84,21 @@ def try_the_neighbours(sandbox, tmp_path: Path, run_dir: Path, startup_timeout_s
     finally:
         victim.stop()
     return seen, told
+
+
+def cores_used(server, frozen: bool, seconds: float = 1.5) -> float:
+    """Cores the server's processes used over `seconds`, held (`server.hold(True)`, as the benchmark freezes the idle
+    side while the other is measured) or not; the server is let run after."""
+    import time
+
+    from sandbox.host import cpu_seconds, server_pid
+
+    pid = server_pid(server)
+    server.hold(frozen)
+    try:
+        time.sleep(0.3)
+        before = cpu_seconds(pid)
+        time.sleep(seconds)
+        return (cpu_seconds(pid) - before) / seconds
+    finally:
+        server.hold(False)

@@ -23,7 +23,7 @@ from sandbox.docker_backend import DockerSandbox
 from sandbox.docker_spec import SANDBOX_UID
 from sandbox.host import cpu_seconds, process_tree, server_pid
 from tests.conftest import SANDBOX_IMAGE
-from tests.hostile.plant import hostile_spec, observed, try_the_neighbours
+from tests.hostile.plant import cores_used, hostile_spec, observed, try_the_neighbours
 from tests.real_vllm import MODEL_INSPECTION, SEED_MARK, greedy_tokens, real_vllm_spec, seeded
 
 
@@ -278,4 +278,19 @@ def test_a_candidate_cannot_reach_the_runs_other_processes_or_files(engine, tmp_
     assert seen["read"] == [], seen
     assert told["stopped"] == [] and told["answers"], told
     assert_next_candidate_runs(engine, sandbox, tmp_path)
+
+
+def test_held_while_the_other_side_is_measured_its_escaped_work_stops_too(engine, tmp_path, run_dir):
+    """A candidate's busy loop in a grandchild that left its session and process group (setsid, double fork) is
+    still in its container: paused, it uses no CPU; let run, it does (the control)."""
+    sandbox = DockerSandbox(config(), run_dir)
+    server = sandbox.start(hostile(tmp_path, "idle_work"))
+    try:
+        assert cores_used(server, frozen=False) > 0.3
+        held = cores_used(server, frozen=True)
+        assert held < 0.05, held
+        assert cores_used(server, frozen=False) > 0.3  # the pause is undone
+    finally:
+        assert server.stop() == "ok"
+    assert not containers_of(engine, run_dir)
 

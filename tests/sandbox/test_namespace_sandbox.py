@@ -24,7 +24,7 @@ from sandbox import cgroups, make_sandbox
 from sandbox.base import SandboxError, ServerSpec
 from sandbox.config import SandboxConfig
 from sandbox.namespace import IO_ROOT, NamespaceSandbox, NamespaceUnavailable, probe
-from tests.hostile.plant import hostile_spec, observed, try_the_neighbours
+from tests.hostile.plant import cores_used, hostile_spec, observed, try_the_neighbours
 from tests.real_vllm import MODEL_INSPECTION, SEED_MARK, greedy_tokens, real_vllm_spec, seeded
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -316,6 +316,21 @@ def test_a_candidate_cannot_reach_the_runs_other_processes_or_files(tmp_path, ru
     assert len(seen["visible"]) <= 3, seen["visible"]  # its pid 1 and itself: its own pid namespace only
     assert told["stopped"] == [] and told["answers"], told
     assert_next_candidate_runs(sandbox, tmp_path)
+
+
+def test_held_while_the_other_side_is_measured_its_escaped_work_stops_too(tmp_path, run_dir):
+    """A candidate's busy loop in a grandchild that left its session and process group (setsid, double fork) still
+    runs in its pid namespace: held, it uses no CPU; let run, it does (the control)."""
+    sandbox = NamespaceSandbox(config(), run_dir)
+    server = sandbox.start(hostile(tmp_path, "idle_work"))
+    try:
+        assert cores_used(server, frozen=False) > 0.3
+        held = cores_used(server, frozen=True)
+        assert held < 0.05, held
+        assert cores_used(server, frozen=False) > 0.3  # the hold is undone
+    finally:
+        assert server.stop() == "ok"
+    assert not leftovers(run_dir)
 
 
 DEAD_HARNESS = """
