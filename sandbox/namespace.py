@@ -218,10 +218,12 @@ class NamespaceServer(Reachable):
         return self._init_pid
 
     def hold(self, frozen: bool) -> None:
-        """Every process of its pid namespace: all are descendants of its pid 1 (an orphan is reparented to it)."""
+        """Every process of its pid namespace but pid 1: all are descendants of it (an orphan is reparented to it).
+        Pid 1 is the harness's own supervisor (sandbox/ns_init.py), not the candidate's code: left running, it still
+        sees the harness's pipe close and takes the namespace down with it, a held server too."""
         pid = self.init_pid()
         if pid and self.alive():
-            hold_processes(lambda: process_tree(pid), frozen)
+            hold_processes(lambda: process_tree(pid) - {pid}, frozen)
 
     def root(self) -> Path | None:
         """The server's root file system, seen from the host (for exporting its caches)."""

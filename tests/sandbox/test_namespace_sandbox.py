@@ -342,17 +342,21 @@ from sandbox.config import SandboxConfig
 from sandbox.namespace import NamespaceSandbox
 sandbox = NamespaceSandbox(SandboxConfig(backend="namespace", memory_gb=1, pids_limit=128, tmpfs_mb=64), Path({run!r}))
 server = sandbox.start(ServerSpec(name="orphan", source_tree={tree!r}, model_dir={model!r}, startup_timeout_s=60))
+server.hold({held!r})
 print("started", server.isolation["uid"], server.init_pid(), server.process.pid, flush=True)
 time.sleep(3600)
 """
 
 
-def test_a_killed_harness_leaves_nothing_running(tmp_path, run_dir):
+@pytest.mark.parametrize("held", [False, True], ids=["running", "held"])
+def test_a_killed_harness_leaves_nothing_running(tmp_path, run_dir, held):
+    """SIGKILLed, the harness takes its server's whole namespace with it, also when it dies holding the server (the
+    idle side of a pair is frozen while the other is measured): pid 1 is never frozen, and sees the pipe close."""
     dead_run = tmp_path / f"dead-{uuid.uuid4().hex[:8]}"
     dead_run.mkdir()
     orphan = hostile(tmp_path, "fork_bomb", name="orphan")  # a server with children of its own
     script = DEAD_HARNESS.format(root=str(ROOT), run=str(dead_run), tree=str(orphan.source_tree),
-                                 model=str(orphan.model_dir))
+                                 model=str(orphan.model_dir), held=held)
     harness = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True)
     try:
         line = harness.stdout.readline()
