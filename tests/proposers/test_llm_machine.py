@@ -343,6 +343,9 @@ def test_the_opening_shows_the_machine_and_the_profile_is_taken_again_for_a_new_
     task = make_task(server.base_url, tools="native", profile=True, context_tokens=20_000)
     task.parity.env, task.parity.args = {"VLLM_BATCH_INVARIANT": "1"}, {"enforce_eager": True}
     task.benchmark.ceiling_tokens_per_s = 120_000.0
+    # the profile runs the incumbent's tree on the host only where its servers run there too (`local`); in the
+    # default sandbox it is of the installed vLLM (test_in_the_default_sandbox_the_profile_is_of_the_installed_vllm)
+    task.sandbox.backend = "local"
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     writer = TraceWriter(run_dir / "trace.jsonl")
@@ -395,6 +398,7 @@ def test_the_opening_shows_the_machine_and_the_profile_is_taken_again_for_a_new_
 def test_a_profile_that_fails_is_not_taken_again_for_the_same_tree(server, checkout, key, tmp_path, monkeypatch):
     monkeypatch.setenv("NIGHTSHIFT_CACHE", str(tmp_path / "cache"))
     task = make_task(server.base_url, profile=True)
+    task.sandbox.backend = "local"  # the tree's own vLLM is profiled only where its servers run on the host
     proposer = LlmProposer.from_task(task)
     proposer._model_path = Path("/models/m")
     server.push({"text": "no blocks"}, {"text": "none"}, {"text": "still none"})
@@ -407,3 +411,22 @@ def test_a_profile_that_fails_is_not_taken_again_for_the_same_tree(server, check
     proposer._ensure_profile(ctx)
     assert proposer.profile is first  # the same tree: not tried again
     assert not list((tmp_path / "cache" / "profiles").glob("*.json"))  # a failure is not cached
+
+
+def test_in_the_default_sandbox_the_profile_is_of_the_installed_vllm(checkout, tmp_path, monkeypatch):
+    """The profile runs vLLM on the host, outside any sandbox: with the default backend it never runs the
+    incumbent's tree (code of earlier candidates), only the installed vLLM; with `local` it runs the tree."""
+    import agent.proposers.profile as profile
+
+    asked = []
+    monkeypatch.setattr(profile, "load_or_run", lambda request: asked.append(request) or "a profile")
+    for backend in ("namespace", "local"):
+        task = make_task("http://127.0.0.1:9", profile=True)
+        assert task.sandbox.backend == "namespace"  # the default
+        task.sandbox.backend = backend
+        proposer = LlmProposer.from_task(task)
+        proposer._model_path = Path("/models/m")
+        proposer._ensure_profile(ProposalContext(task=task, candidate=1, checkout=checkout, incumbent_args={}))
+    assert [request["tree"] for request in asked] == [None, str(checkout)]
+    assert asked[0]["tree_id"].startswith("installed vLLM")
+
