@@ -198,10 +198,12 @@ steps = step_tokens = 0
 last_slot = None
 
 
-def engine_step(tokens: int, delay_s: float) -> None:
-    """Counts `tokens` into the engine-step histogram; a new step where no token came in this delay's slot."""
+def engine_step(tokens: int, delay_s: float, due: float) -> None:
+    """Counts `tokens` into the engine-step histogram; a new step where no token was due in this delay's slot. By
+    when a token was due, not when it went out: on a busy host a late thread sends several tokens at once, and they
+    were still several steps (as vLLM counts one token a request a step)."""
     global steps, step_tokens, last_slot
-    slot = int(time.monotonic() / max(delay_s, 1e-4))
+    slot = int(due / max(delay_s, 1e-4))
     with lock:
         if slot != last_slot:
             steps, last_slot = steps + 1, slot
@@ -362,7 +364,7 @@ class Handler(BaseHTTPRequestHandler):
             began = time.monotonic()
             for step, (_, token) in enumerate(generate(body["prompt"], count, crowded, picked)):
                 wait(delay_s, began + (step + 1) * delay_s)
-                engine_step(1 + (len(body["prompt"]) if step == 0 else 0), delay_s)
+                engine_step(1 + (len(body["prompt"]) if step == 0 else 0), delay_s, began + (step + 1) * delay_s)
                 if frozen and step == count // 2:
                     time.sleep(3600)
                 if poisoned and step == config.get("poison_at", count // 2):

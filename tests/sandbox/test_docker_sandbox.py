@@ -286,10 +286,11 @@ def test_held_while_the_other_side_is_measured_its_escaped_work_stops_too(engine
     sandbox = DockerSandbox(config(), run_dir)
     server = sandbox.start(hostile(tmp_path, "idle_work"))
     try:
-        assert cores_used(server, frozen=False) > 0.3
-        held = cores_used(server, frozen=True)
-        assert held < 0.05, held
-        assert cores_used(server, frozen=False) > 0.3  # the pause is undone
+        # beside busy tests a namespace server's loop got 0.17 of a core let run (CI); paused, nothing runs
+        assert cores_used(server, frozen=False, seconds=2) > 0.06
+        held = cores_used(server, frozen=True, seconds=2)
+        assert held < 0.02, held
+        assert cores_used(server, frozen=False, seconds=2) > 0.06  # the pause is undone
     finally:
         assert server.stop() == "ok"
     assert not containers_of(engine, run_dir)

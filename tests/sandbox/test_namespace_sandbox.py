@@ -324,10 +324,11 @@ def test_held_while_the_other_side_is_measured_its_escaped_work_stops_too(tmp_pa
     sandbox = NamespaceSandbox(config(), run_dir)
     server = sandbox.start(hostile(tmp_path, "idle_work"))
     try:
-        assert cores_used(server, frozen=False) > 0.3
-        held = cores_used(server, frozen=True)
-        assert held < 0.05, held
-        assert cores_used(server, frozen=False) > 0.3  # the hold is undone
+        # beside busy tests the loop got 0.17 of a core let run (CI); held, nothing of it runs but pid 1's select
+        assert cores_used(server, frozen=False, seconds=2) > 0.06
+        held = cores_used(server, frozen=True, seconds=2)
+        assert held < 0.02, held
+        assert cores_used(server, frozen=False, seconds=2) > 0.06  # the hold is undone
     finally:
         assert server.stop() == "ok"
     assert not leftovers(run_dir)
