@@ -102,3 +102,13 @@ def cores_used(server, frozen: bool, seconds: float = 1.5) -> float:
         return (cpu_seconds(pid) - before) / seconds
     finally:
         server.hold(False)
+
+
+def assert_held_work_stops(server) -> None:
+    """The `idle_work` act's busy loop: held, the server uses no CPU; let run, it does (the control, before and
+    after the hold). Beside busy tests a namespace server's loop got 0.17 of a core let run (CI); held, nothing of
+    it runs (a namespace server's pid 1, the harness's supervisor, only waits on its pipe)."""
+    assert cores_used(server, frozen=False, seconds=2) > 0.06
+    held = cores_used(server, frozen=True, seconds=2)
+    assert held < 0.02, held
+    assert cores_used(server, frozen=False, seconds=2) > 0.06  # the hold is undone
