@@ -80,11 +80,14 @@ def probe() -> tuple[bool, str]:
     return userns, "user namespace (uid 0 inside, no capabilities)" if userns else "root: server runs as its own uid"
 
 
-def python_roots() -> list[Path]:
-    """What the interpreter and the installed vLLM need, beyond /usr: its prefixes and site folders."""
+def python_roots(run_dir: Path | None = None) -> list[Path]:
+    """What the interpreter and the installed vLLM need, beyond /usr: its prefixes and site folders. A folder that
+    holds `run_dir` is left out, not mounted: `python -m` run from the folder of the runs puts it on the import path,
+    and vLLM is never imported from a run folder's parents."""
     roots = {Path(os.path.realpath(p)) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
     roots |= set(import_path())
-    roots = {r for r in roots if r.is_dir() and not r.is_relative_to("/usr")}
+    held = Path(os.path.realpath(run_dir)) if run_dir is not None else None
+    roots = {r for r in roots if r.is_dir() and not r.is_relative_to("/usr") and not (held and held.is_relative_to(r))}
     return sorted(r for r in roots if not any(r != o and r.is_relative_to(o) for o in roots))
 
 
@@ -126,7 +129,7 @@ def etc_files(uid: int) -> dict[str, str]:
     }
 
 
-def host_layout() -> tuple[list[list], list[list]]:
+def host_layout(run_dir: Path | None = None) -> tuple[list[list], list[list]]:
     """Read-only binds [source, target, writable] and symlinks [path, target] of the system folders."""
     binds, links = [], []
     for name in SYSTEM:
@@ -141,7 +144,7 @@ def host_layout() -> tuple[list[list], list[list]]:
             links.append([str(path), os.readlink(path)])
         elif path.exists():
             binds.append([str(path), str(path), False])
-    binds += [[str(r), str(r), False] for r in python_roots()]
+    binds += [[str(r), str(r), False] for r in python_roots(run_dir)]
     return binds, links
 
 
@@ -332,7 +335,7 @@ class NamespaceSandbox:
         io_dir.mkdir(mode=0o700)
         (folder / "root").mkdir()
         try:
-            check_not_exposed([tree, model, RECORDER.resolve(), io_dir, *python_roots()], [self.run_dir])
+            check_not_exposed([tree, model, RECORDER.resolve(), io_dir, *python_roots(self.run_dir)], [self.run_dir])
         except ValueError as exc:
             raise SandboxError("crash", str(exc)) from None
         if not userns:
@@ -389,7 +392,7 @@ class NamespaceSandbox:
     def plan(self, spec: ServerSpec, folder: Path, uid: int, userns: bool, limits: str, gpus: list[int],
              seed: Path | None, watch_fd: int) -> dict:
         c = self.config
-        binds, links = host_layout()
+        binds, links = host_layout(self.run_dir)
         binds += [[str(Path(spec.source_tree).resolve()), TREE, False], [str(Path(spec.model_dir).resolve()), MODEL, False],
                   [str(RECORDER.resolve()), RECORDER_AT, False], [str(folder / "io"), IO, True]]
         rlimits = prlimits(c, gpus) if limits == "prlimit" else {}

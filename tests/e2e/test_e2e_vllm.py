@@ -240,7 +240,12 @@ def test_a_run_killed_during_a_benchmark_resumes(real_run):
     assert result.finished and finished.kind == "run_finished"
     evs = [r.event for r in records]
     resumed = [e for e in evs if e.kind == "resumed"]
-    assert len(resumed) == 1 and resumed[0].candidate == NEAR_TIES and resumed[0].reaped >= 2
+    assert len(resumed) == 1 and resumed[0].candidate == NEAR_TIES
+    # the local backend's servers outlive the harness and the resume reaps them; the namespace backend's die with it
+    if task["sandbox"]["backend"] == "local":
+        assert resumed[0].reaped >= 2
+    else:
+        assert resumed[0].reaped == 0
     assert [p.candidate for p in events(records, "proposal")] == list(range(1, 5))  # none proposed twice
     assert [d.candidate for d in events(records, "decision")] == list(range(1, 5))
     assert not list(setup.run_dir.glob("servers/*/pid"))

@@ -141,6 +141,23 @@ def test_benign_candidate_is_contained_and_records_imports(tmp_path, run_dir, na
     assert not Path(f"/proc/{init}").exists() or "State:\tZ" in Path(f"/proc/{init}/status").read_text()
 
 
+def test_a_folder_on_the_import_path_that_holds_the_run_folder_is_not_mounted(tmp_path, run_dir, monkeypatch):
+    """`python -m agent.face.cli noise --runs-dir X` run from X (or from /tmp, with runs under /tmp) puts X on the
+    harness's import path. The server still starts, and X, which holds the run folder, is not mounted in it."""
+    from sandbox.namespace import python_roots
+
+    holder = run_dir.parent
+    monkeypatch.syspath_prepend(str(holder))
+    assert holder not in python_roots(run_dir) and holder.resolve() in python_roots()  # the control: it is a root
+    server = NamespaceSandbox(config(), run_dir).start(hostile(tmp_path, "benign"))
+    try:
+        mounts = dict(server.mounts())
+        assert "/sandbox/tree" in mounts
+        assert str(holder.resolve()) not in mounts and str(run_dir.resolve()) not in mounts, mounts
+    finally:
+        assert server.stop() == "ok"
+
+
 def test_a_post_mortem_sees_the_servers_processes_and_its_scratch(tmp_path, run_dir):
     """What the harness records of a server that stopped answering, before it stops it: its processes as
     /proc shows them from outside, and how full its capped scratch tmpfs is as they see it."""
