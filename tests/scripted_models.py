@@ -5,6 +5,7 @@ fixed; the harness's answers (the tool results) are what the tests check, since 
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 
@@ -93,3 +94,60 @@ def gemma4_adversary() -> list[dict[str, Any]]:
         turn(call("propose", summary="reuse logits across the batch", plan="a new hot spot",
                   functions=[{"path": GEMMA4, "name": "Gemma4ForCausalLM.compute_logits", "code": code}])),
     ]
+
+
+EXACT_OVERHEADS = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu-code-patches" / "05-cpu-exact-overheads.patch"
+
+
+def hunks_as_edits(patch: str, leave_out: str = "") -> list[dict[str, Any]]:
+    """A unified diff's hunks as the propose tool's SEARCH/REPLACE edits, the way a model sends a multi-file change:
+    each hunk's old lines (context and removed) are the search, its new lines (context and added) the replacement.
+    A hunk whose text contains `leave_out` is left out."""
+    edits: list[dict[str, Any]] = []
+    path, old, new = "", [], []
+
+    def close() -> None:
+        if old or new:
+            hunk = {"path": path, "search": "".join(old), "replace": "".join(new)}
+            if not leave_out or leave_out not in hunk["search"] + hunk["replace"]:
+                edits.append(hunk)
+        old.clear()
+        new.clear()
+
+    for line in patch.splitlines(keepends=True):
+        if line.startswith("+++ "):
+            close()
+            path = line[4:].strip().removeprefix("b/")
+        elif line.startswith(("--- ", "diff ", "index ", "Subject:")):
+            close()
+        elif line.startswith("@@"):
+            close()
+        elif path and line.startswith(" "):
+            old.append(line[1:])
+            new.append(line[1:])
+        elif path and line.startswith("-"):
+            old.append(line[1:])
+        elif path and line.startswith("+"):
+            new.append(line[1:])
+        elif path and line == "\n":  # an empty context line whose leading space was stripped
+            old.append(line)
+            new.append(line)
+    close()
+    return edits
+
+
+def gemma4_exact_expert(source: str) -> list[dict[str, Any]]:
+    """The real vLLM CPU tree: explore as gemma4_expert does, propose its identity edit (the harness names the
+    mistake), then a change worth keeping, exact for any weights: benchmarks/cpu-code-patches/05's overhead cuts of
+    eager CPU decode (RMSNorm as one composite op, Gemma 4's q/k/v norms in one pass, the CPU GEMM called directly,
+    GeGLU's and the per-layer inputs' products in place), with the layer scalar's product taken in place instead of
+    05's skip of a unit scalar (no branch on what the weights happen to be). Four files in one proposal."""
+    explore = gemma4_expert(source)[:4]
+    edits = hunks_as_edits(EXACT_OVERHEADS.read_text(), leave_out="_unit_layer_scalar")
+    edits.append({"path": GEMMA4, "search": SCALED, "replace": IN_PLACE_SCALAR})
+    hypothesis = ("eager CPU decode at batch 4 is per-op overhead, not arithmetic (the profile: 58 RMSNorms a step, "
+                  "each 8-9 ATen ops behind three dispatch layers); the same float32 arithmetic in fewer ops "
+                  "(F.rms_norm's composite, one pass over the q/k/v heads, products written in place) gives the "
+                  "same values for any weights and cuts a third of the step's ops")
+    return explore + [turn(call("propose", summary="exact overhead cuts of eager CPU decode in Gemma 4",
+                                hypothesis=hypothesis, plan="a new hot spot", edits=edits))]
