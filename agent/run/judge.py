@@ -74,7 +74,7 @@ class Judge:
             files = self.apply(trial, proposal, args)
             self.build(n, trial.tree, files)
             production, digest = self.check_parity(trial, args)
-            self.check_engine_config(production, args)
+            self.check_engine_config(production, args, files)
             decision = self.evaluate(trial, production, files, audits)
         except Rejected as rejected:
             decision = Decision(candidate=n, verdict=rejected.verdict, stage=rejected.stage, reason=rejected.reason)
@@ -100,13 +100,25 @@ class Judge:
                                files=files, engine_args=args))
         return files
 
-    def check_engine_config(self, production: Server, args: dict) -> None:
-        """A code change (the incumbent's engine arguments) must serve the incumbent's engine configuration, as its
-        server logged it at start (agent/stages/engine_config.py); a change of flags is judged as flags are (the log
-        cannot say which of its fields a flag moves). Before the benchmark: the cheapest check first."""
-        if dict(args) != dict(self.incumbent.args):
+    def check_engine_config(self, production: Server, args: dict, files: list[str]) -> None:
+        """A code change must serve the incumbent's engine configuration, as its server logged it at start, but for
+        the fields its own flags move, as the trusted tree's vLLM predicts them (agent/stages/engine_config.py); a
+        change of flags alone is judged as flags are. Before the benchmark: the cheapest check first."""
+        flags = dict(args) != dict(self.incumbent.args)
+        if flags and not files:
             return
-        why = engine_config.moved_by_code(self.incumbent.server.logs(START_LOG_CHARS), production.logs(START_LOG_CHARS))
+        theirs, ours = self.incumbent.server.logs(START_LOG_CHARS), production.logs(START_LOG_CHARS)
+        by_flags = None
+        if flags and engine_config.config_fields(theirs) is not None:
+            try:
+                by_flags = engine_config.fields_moved_by_flags(
+                    self.pool.trusted, self.s.model.path, self.task.model.dtype, self.task.model.max_model_len,
+                    self.incumbent.args, args)
+            except engine_config.PredictionError as exc:
+                raise Rejected("benchmark", f"flags and code together: which engine configuration fields the flags "
+                                            f"move could not be predicted ({exc}), so what the code moved cannot be "
+                                            f"told apart; propose the flags and the code as two candidates") from None
+        why = engine_config.moved_by_code(theirs, ours, by_flags)
         if why:
             raise Rejected("benchmark", why)
 

@@ -6,10 +6,27 @@ code and no engine argument must log the same configuration as the incumbent: a 
 turned off, a compile mode, a KV-cache dtype) is an engine argument moved by code, which the task judges as a flag
 (`edit_surface.engine_args`), not as code. What the log cannot show is judged from the candidate's behaviour
 (agent/stages/stats.py `moved_by_code`: more requests at once than its max_num_seqs). A candidate whose server
-logs no configuration where the incumbent's did hides it, and is refused for that."""
+logs no configuration where the incumbent's did hides it, and is refused for that.
+
+A candidate that changes flags and code together may differ from the incumbent only in the fields its flags move.
+Which those are, the trusted tree's own vLLM says, without starting an engine: its `EngineArgs`, parsed from the
+`vllm serve` arguments of each side as the server parses them, builds each side's configuration in a child process
+(`fields_moved_by_flags`); the fields where the two differ are the flags' to move, and any other field the
+candidate's server logs differently was moved by its code. Where the prediction fails, the candidate is refused:
+what its code moved cannot be told from what its flags moved.
+
+    python -m agent.stages.engine_config --tree TREE --model DIR -- --max-num-seqs 8   # prints the line"""
 from __future__ import annotations
 
+import argparse
+import functools
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
 CONFIG_LINE = re.compile(r"Initializing a V1 LLM engine \(([^)]*)\) with config: (.*)$", re.M)
 PAIRS = {"(": ")", "[": "]", "{": "}"}
@@ -39,9 +56,10 @@ def config_fields(log: str) -> dict[str, str] | None:
     return {"version": match.group(1), **fields}
 
 
-def moved_by_code(incumbent_log: str, candidate_log: str) -> str | None:
+def moved_by_code(incumbent_log: str, candidate_log: str, by_flags: set[str] | None = None) -> str | None:
     """Why a code change's server does not serve its parent's engine configuration, or None where it does (or
-    where the incumbent's server logs none to compare with)."""
+    where the incumbent's server logs none to compare with). `by_flags`: for a candidate that changes flags too,
+    the fields its flags move (fields_moved_by_flags), which may differ."""
     theirs = config_fields(incumbent_log)
     if theirs is None:
         return None
@@ -51,13 +69,123 @@ def moved_by_code(incumbent_log: str, candidate_log: str) -> str | None:
                 "reports it once: 'Initializing a V1 LLM engine ... with config:'): engine arguments it may have "
                 "moved by code cannot be checked")
     moved = [f"{k} {clip(theirs.get(k, '(absent)'))} -> {clip(ours.get(k, '(absent)'))}"
-             for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
+             for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k) and k not in (by_flags or ())]
     if not moved:
         return None
-    return (f"engine arguments moved by code: {'; '.join(moved[:6])}{' ...' if len(moved) > 6 else ''} (a code "
-            f"change serves its parent's engine configuration; a change of engine arguments is proposed as flags "
-            f"and judged against the task's levers)")
+    beside = "" if by_flags is None else (
+        f" beside its flags, which move {', '.join(sorted(by_flags))} only" if by_flags else
+        " beside flags that move none of the logged fields")
+    return (f"engine arguments moved by code{beside}: {'; '.join(moved[:6])}{' ...' if len(moved) > 6 else ''} (a "
+            f"code change serves its parent's engine configuration; a change of engine arguments is proposed as "
+            f"flags and judged against the task's levers)")
+
+
+class PredictionError(RuntimeError):
+    """The trusted tree's vLLM could not build an engine configuration for a side's arguments."""
+
+
+MARKER = "NIGHTSHIFT_ENGINE_CONFIG "
+
+
+def serve_flags(args: dict[str, Any], dtype: str, max_model_len: int) -> tuple[list[str], dict[str, str]]:
+    """(the `vllm serve` flags after the model, the variables) a server of these engine arguments is given: the
+    pool's own rule (agent/run/pool.py `spec`)."""
+    from sandbox.base import serve_argv, split_serve_args
+    from sandbox.base import ServerSpec
+
+    plain, env = split_serve_args({"dtype": dtype, "max_model_len": max_model_len, **args})
+    argv = serve_argv(ServerSpec(name="predicted", source_tree=Path("."), model_dir=Path("."), engine_args=plain))
+    return argv[2:], env
+
+
+def predict_config(tree: Path | None, model_dir: Path, flags: list[str], env: dict[str, str],
+                   timeout_s: float = 300) -> dict[str, str]:
+    """The configuration fields vLLM's engine core would log for a server of `flags` on `tree` (None: the installed
+    vLLM), built by that tree's EngineArgs in a child process; no engine is started."""
+    from sandbox.base import clean_env
+
+    child_env = {**clean_env(os.environ), **env}
+    if tree is not None:
+        child_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "agent.stages.engine_config", "--child"],
+                              input=json.dumps({"model": str(model_dir), "flags": flags}), capture_output=True,
+                              text=True, timeout=timeout_s, env=child_env, cwd=str(Path(__file__).resolve().parents[2]))
+    except subprocess.TimeoutExpired:
+        raise PredictionError(f"building the configuration took longer than {timeout_s:g} s") from None
+    for line in proc.stdout.splitlines():
+        if line.startswith(MARKER):
+            fields = config_fields(json.loads(line[len(MARKER):]))
+            if fields:
+                return fields
+    tail = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+    errors = [line for line in tail if "Error" in line or "error:" in line]
+    raise PredictionError(f"exit {proc.returncode}: {(errors or tail or ['no output'])[-1][:300]}")
+
+
+def fields_moved_by_flags(tree: Path | None, model_dir: Path, dtype: str, max_model_len: int,
+                          before: dict[str, Any], after: dict[str, Any]) -> set[str]:
+    """The logged configuration fields that differ between servers of `before`'s and `after`'s engine arguments,
+    as the trusted `tree`'s vLLM builds them. Raises PredictionError."""
+    sides = []
+    for args in (before, after):
+        flags, env = serve_flags(args, dtype, max_model_len)
+        sides.append(_predicted(tree, model_dir, tuple(flags), tuple(sorted(env.items()))))
+    return {k for k in set(sides[0]) | set(sides[1]) if sides[0].get(k) != sides[1].get(k)}
+
+
+@functools.lru_cache(maxsize=32)
+def _predicted(tree: Path | None, model_dir: Path, flags: tuple[str, ...], env: tuple[tuple[str, str], ...]):
+    """predict_config, once per trusted tree and arguments in a run (the incumbent's side is asked again and again;
+    a tree's vLLM does not change under a path: a trusted tree is the baseline's, never edited)."""
+    return predict_config(tree, model_dir, list(flags), dict(env))
+
+
+def _child(request: dict[str, Any]) -> str:
+    """In the child: the line the engine core would log, from the tree's own argument parser and EngineArgs."""
+    from vllm import __version__
+    from vllm.engine.arg_utils import EngineArgs
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:  # older vLLM
+        from vllm.utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    namespace, _ = parser.parse_known_args(["--model", request["model"], *request["flags"]])  # server options aside
+    try:
+        from vllm.usage.usage_lib import UsageContext
+        context = {"usage_context": UsageContext.OPENAI_API_SERVER}  # as `vllm serve` builds it
+    except ImportError:
+        context = {}
+    config = EngineArgs.from_cli_args(namespace).create_engine_config(**context)
+    return f"Initializing a V1 LLM engine (v{__version__}) with config: {config}"
 
 
 def clip(value: str, width: int = 80) -> str:
     return value if len(value) <= width else value[:width - 3] + "..."
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="The engine configuration a vLLM server of these flags would log.")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tree", type=Path, help="the vLLM tree (default: the installed vLLM)")
+    ap.add_argument("--model", type=Path, help="the model folder")
+    ap.add_argument("flags", nargs="*", help="`vllm serve` flags after --")
+    args = ap.parse_args(argv)
+    if args.child:
+        print(MARKER + json.dumps(_child(json.loads(sys.stdin.read()))), flush=True)
+        return 0
+    if not args.model:
+        ap.error("--model is required")
+    try:
+        fields = predict_config(args.tree, args.model, args.flags, {})
+    except PredictionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    for key, value in fields.items():
+        print(f"{key}={value}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from agent.replay.chain import audit
-from agent.stages.engine_config import config_fields, moved_by_code
+from agent.stages.engine_config import config_fields, fields_moved_by_flags, moved_by_code, predict_config, serve_flags
 from tests.stand_in import decisions, mode, new_file_patch, stopped_once
 from traces import read_trace
 
@@ -49,6 +49,54 @@ def test_a_server_that_hides_its_configuration_is_refused_and_no_line_on_either_
     assert moved_by_code(START, START) is None  # servers that log none (not vLLM): nothing to compare
 
 
+def test_beside_flags_only_the_fields_the_flags_move_may_differ():
+    """A candidate of flags and code: the honest one's flags turn prefix caching off and its code moves nothing;
+    the adversary's flags move no logged field (max_num_seqs is not in the line) while its code turns prefix caching
+    off, or its flags move one field and its code another."""
+    off = LOGGED.replace("enable_prefix_caching=True", "enable_prefix_caching=False")
+    assert moved_by_code(LOGGED, off, {"enable_prefix_caching"}) is None
+    why = moved_by_code(LOGGED, off, set())
+    assert why.startswith("engine arguments moved by code beside flags that move none of the logged fields: "
+                          "enable_prefix_caching True -> False"), why
+    both = off.replace("seed=0,", "seed=1,")
+    why = moved_by_code(LOGGED, both, {"enable_prefix_caching"})
+    assert why.startswith("engine arguments moved by code beside its flags, which move enable_prefix_caching only: "
+                          "seed 0 -> 1"), why
+    assert "enable_prefix_caching True" not in why
+
+
+def test_the_flags_are_given_to_the_prediction_as_the_pool_gives_them_to_a_server():
+    flags, env = serve_flags({"max_num_seqs": 8, "enable_prefix_caching": False, "compilation_config.mode": 3,
+                              "api_server_count": 2, "env.VLLM_CPU_OMP_THREADS_BIND": "0"}, "bfloat16", 512)
+    assert flags[:6] == ["--served-model-name", "model", "--dtype", "bfloat16", "--max-model-len", "512"]
+    assert "--no-enable-prefix-caching" in flags and flags[flags.index("--compilation-config") + 1] == '{"mode": 3}'
+    assert env == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+
+
+@pytest.mark.slow
+def test_the_installed_vllm_predicts_the_fields_a_flag_moves_without_starting_an_engine():
+    """The CPU task's engine arguments through vLLM 0.32's own parser and EngineArgs, in a child: prefix caching
+    off moves its field; more sequences and a server option move none of the logged ones (so code that moved a
+    field beside them would be named); the predicted line reads as a real server's does."""
+    pytest.importorskip("vllm")
+    from pathlib import Path
+
+    from agent.world.checkpoint import ensure_synthetic
+
+    config = Path(__file__).resolve().parents[2] / "tasks" / "models" / "gemma4-tiny" / "config.json"
+    model = ensure_synthetic(config, seed=0, dtype="bfloat16").path
+    base = {"max_num_seqs": 4, "enforce_eager": True, "kv_cache_memory_bytes": 256 << 20}
+    predicted = predict_config(None, model, *serve_flags(base, "bfloat16", 512))
+    logged = config_fields(LOGGED)
+    for key in ("enable_prefix_caching", "enable_chunked_prefill", "dtype", "max_seq_len", "enforce_eager",
+                "kv_cache_dtype", "device_config"):
+        assert predicted[key] == logged[key], key
+    assert fields_moved_by_flags(None, model, "bfloat16", 512, base, {**base, "enable_prefix_caching": False}) \
+        == {"enable_prefix_caching"}
+    assert fields_moved_by_flags(None, model, "bfloat16", 512, base,
+                                 {**base, "max_num_seqs": 32, "api_server_count": 2}) == set()
+
+
 @pytest.mark.slow
 def test_a_code_change_that_moves_the_engine_configuration_is_rejected_before_its_benchmark(run):
     same = json.loads(mode("exact", 0.01))
@@ -58,6 +106,10 @@ def test_a_code_change_that_moves_the_engine_configuration_is_rejected_before_it
             {**same, "engine_config": {"enable_prefix_caching": "False"}}), "prefix caching off in code"),
         "3-hidden.patch": new_file_patch("vllm/fake_mode_3.json", json.dumps({**same, "engine_config": None}),
                                          "the configuration line left out"),
+        # flags and code together, where the trusted tree cannot say which fields the flags move (a stand-in tree
+        # has no vLLM EngineArgs): what the code moved cannot be told apart, so it is refused
+        "4-flags-and-code.patch": "Nightshift-Engine-Args: {max_num_seqs: 8}\n" + new_file_patch(
+            "vllm/fake_mode_4.json", json.dumps(same), "a refactor beside more sequences"),
     }
     setup, loop = run(patches)
     finished = loop.run()
@@ -68,6 +120,9 @@ def test_a_code_change_that_moves_the_engine_configuration_is_rejected_before_it
     assert (d[3].verdict, d[3].stage) == ("discard", "benchmark") and "logged no engine configuration" in d[3].reason
     benchmarked = {r.event.candidate for r in read_trace(setup.run_dir / "trace.jsonl")
                    if r.event.kind == "benchmark"}
-    assert 2 not in benchmarked and 3 not in benchmarked  # rejected before any pass
-    assert audit(setup.run_dir).finished and finished.candidates == 3
+    assert (d[4].verdict, d[4].stage) == ("discard", "benchmark"), d[4].reason
+    assert d[4].reason.startswith("flags and code together: which engine configuration fields the flags move could "
+                                  "not be predicted"), d[4].reason
+    assert not benchmarked & {2, 3, 4}  # rejected before any pass
+    assert audit(setup.run_dir).finished and finished.candidates == 4
     assert stopped_once(loop)
