@@ -112,8 +112,8 @@ class Judge:
         if flags and engine_config.config_fields(theirs) is not None:
             try:
                 by_flags = engine_config.fields_moved_by_flags(
-                    self.pool.trusted, self.s.model.path, self.task.model.dtype, self.task.model.max_model_len,
-                    self.incumbent.args, args)
+                    self.pool.trusted, *(self.pool.spec(ServerRequest("predicted", self.incumbent.tree, a))
+                                         for a in (self.incumbent.args, args)))
             except engine_config.PredictionError as exc:
                 raise Rejected("benchmark", f"flags and code together: which engine configuration fields the flags "
                                             f"move could not be predicted ({exc}), so what the code moved cannot be "

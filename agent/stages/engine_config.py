@@ -28,6 +28,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from sandbox.base import ServerSpec, serve_argv
+
 CONFIG_LINE = re.compile(r"Initializing a V1 LLM engine \(([^)]*)\) with config: (.*)$", re.M)
 PAIRS = {"(": ")", "[": "]", "{": "}"}
 
@@ -87,15 +89,9 @@ class PredictionError(RuntimeError):
 MARKER = "NIGHTSHIFT_ENGINE_CONFIG "
 
 
-def serve_flags(args: dict[str, Any], dtype: str, max_model_len: int) -> tuple[list[str], dict[str, str]]:
-    """(the `vllm serve` flags after the model, the variables) a server of these engine arguments is given: the
-    pool's own rule (agent/run/pool.py `spec`)."""
-    from sandbox.base import serve_argv, split_serve_args
-    from sandbox.base import ServerSpec
-
-    plain, env = split_serve_args({"dtype": dtype, "max_model_len": max_model_len, **args})
-    argv = serve_argv(ServerSpec(name="predicted", source_tree=Path("."), model_dir=Path("."), engine_args=plain))
-    return argv[2:], env
+def serve_flags(spec: ServerSpec) -> list[str]:
+    """The `vllm serve` flags after the model that a server of `spec` is given (sandbox.base.serve_argv)."""
+    return serve_argv(spec)[2:]
 
 
 def predict_config(tree: Path | None, model_dir: Path, flags: list[str], env: dict[str, str],
@@ -123,14 +119,12 @@ def predict_config(tree: Path | None, model_dir: Path, flags: list[str], env: di
     raise PredictionError(f"exit {proc.returncode}: {(errors or tail or ['no output'])[-1][:300]}")
 
 
-def fields_moved_by_flags(tree: Path | None, model_dir: Path, dtype: str, max_model_len: int,
-                          before: dict[str, Any], after: dict[str, Any]) -> set[str]:
-    """The logged configuration fields that differ between servers of `before`'s and `after`'s engine arguments,
-    as the trusted `tree`'s vLLM builds them. Raises PredictionError."""
-    sides = []
-    for args in (before, after):
-        flags, env = serve_flags(args, dtype, max_model_len)
-        sides.append(_predicted(tree, model_dir, tuple(flags), tuple(sorted(env.items()))))
+def fields_moved_by_flags(tree: Path | None, before: ServerSpec, after: ServerSpec) -> set[str]:
+    """The logged configuration fields that differ between servers of the `before` and `after` specs (the pool's
+    own, agent/run/pool.py `spec`: the task's dtype, length and variables, the levers' variables), as the trusted
+    `tree`'s vLLM builds them. Raises PredictionError."""
+    sides = [_predicted(tree, Path(spec.model_dir), tuple(serve_flags(spec)), tuple(sorted(spec.env.items())))
+             for spec in (before, after)]
     return {k for k in set(sides[0]) | set(sides[1]) if sides[0].get(k) != sides[1].get(k)}
 
 

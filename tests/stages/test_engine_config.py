@@ -3,6 +3,7 @@ configuration, as vLLM's engine core logs it at start. The adversaries: a change
 configuration (prefix caching, the compile mode) and one whose server hides the line; the honest candidate: a code
 change whose configuration is its parent's. Then the same through the loop, on stand-in servers."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -65,36 +66,48 @@ def test_beside_flags_only_the_fields_the_flags_move_may_differ():
     assert "enable_prefix_caching True" not in why
 
 
-def test_the_flags_are_given_to_the_prediction_as_the_pool_gives_them_to_a_server():
-    flags, env = serve_flags({"max_num_seqs": 8, "enable_prefix_caching": False, "compilation_config.mode": 3,
-                              "api_server_count": 2, "env.VLLM_CPU_OMP_THREADS_BIND": "0"}, "bfloat16", 512)
+def pool_specs(tmp_path, model, *arg_sets):
+    """The pool's own server specs (agent/run/pool.py `spec`) of the CPU task for each set of engine arguments."""
+    from agent.run.pool import ServerPool, ServerRequest
+    from agent.world.task import load_task
+    from sandbox.config import SandboxConfig
+    from sandbox import make_sandbox
+
+    task = load_task(Path(__file__).resolve().parents[2] / "tasks" / "gemma4-tiny-cpu.yaml")
+    pool = ServerPool(task, make_sandbox(SandboxConfig(backend="local"), tmp_path), model, "predicted")
+    return [pool.spec(ServerRequest("predicted", tmp_path, args)) for args in arg_sets]
+
+
+def test_the_flags_are_given_to_the_prediction_as_the_pool_gives_them_to_a_server(tmp_path):
+    [spec] = pool_specs(tmp_path, tmp_path, {"max_num_seqs": 8, "enable_prefix_caching": False,
+                                             "compilation_config.mode": 3, "api_server_count": 2,
+                                             "env.VLLM_CPU_OMP_THREADS_BIND": "0"})
+    flags = serve_flags(spec)
     assert flags[:6] == ["--served-model-name", "model", "--dtype", "bfloat16", "--max-model-len", "512"]
     assert "--no-enable-prefix-caching" in flags and flags[flags.index("--compilation-config") + 1] == '{"mode": 3}'
-    assert env == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+    assert spec.env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and spec.env["TORCHDYNAMO_DISABLE"] == "1"  # lever, task
 
 
 @pytest.mark.slow
-def test_the_installed_vllm_predicts_the_fields_a_flag_moves_without_starting_an_engine():
+def test_the_installed_vllm_predicts_the_fields_a_flag_moves_without_starting_an_engine(tmp_path):
     """The CPU task's engine arguments through vLLM 0.32's own parser and EngineArgs, in a child: prefix caching
     off moves its field; more sequences and a server option move none of the logged ones (so code that moved a
     field beside them would be named); the predicted line reads as a real server's does."""
     pytest.importorskip("vllm")
-    from pathlib import Path
-
     from agent.world.checkpoint import ensure_synthetic
 
     config = Path(__file__).resolve().parents[2] / "tasks" / "models" / "gemma4-tiny" / "config.json"
     model = ensure_synthetic(config, seed=0, dtype="bfloat16").path
     base = {"max_num_seqs": 4, "enforce_eager": True, "kv_cache_memory_bytes": 256 << 20}
-    predicted = predict_config(None, model, *serve_flags(base, "bfloat16", 512))
+    baseline, no_prefix, more = pool_specs(tmp_path, model, base, {**base, "enable_prefix_caching": False},
+                                           {**base, "max_num_seqs": 32, "api_server_count": 2})
+    predicted = predict_config(None, model, serve_flags(baseline), baseline.env)
     logged = config_fields(LOGGED)
     for key in ("enable_prefix_caching", "enable_chunked_prefill", "dtype", "max_seq_len", "enforce_eager",
                 "kv_cache_dtype", "device_config"):
         assert predicted[key] == logged[key], key
-    assert fields_moved_by_flags(None, model, "bfloat16", 512, base, {**base, "enable_prefix_caching": False}) \
-        == {"enable_prefix_caching"}
-    assert fields_moved_by_flags(None, model, "bfloat16", 512, base,
-                                 {**base, "max_num_seqs": 32, "api_server_count": 2}) == set()
+    assert fields_moved_by_flags(None, baseline, no_prefix) == {"enable_prefix_caching"}
+    assert fields_moved_by_flags(None, baseline, more) == set()
 
 
 @pytest.mark.slow
