@@ -418,7 +418,10 @@ class NamespaceSandbox:
         return uid
 
     def reap(self) -> int:
-        """Remove the sandboxes (processes, cgroups, socket folders) of harness processes that are gone."""
+        """Remove the sandboxes (processes, cgroups, socket folders) of harness processes that are gone; returns how
+        many servers were still running and were killed (a sandbox whose server died with its harness, as the pipe its
+        pid 1 watches makes it, leaves only folders: removed, not counted; whichever harness looks first removes them,
+        so the count would otherwise depend on who looked first)."""
         self._reaped = True
         reaped = 0
         for state_file in _io_root().glob("*/state.json"):
@@ -428,16 +431,18 @@ class NamespaceSandbox:
                 continue
             if owner_alive(state.get("owner", "")):
                 continue
-            pid = state.get("pid")
+            pid, killed = state.get("pid"), False
             if pid and start_time(pid) == state.get("start"):
                 try:
                     os.killpg(pid, signal.SIGKILL)
+                    killed = True
                 except (ProcessLookupError, PermissionError):
                     pass
             cgroups.remove_dirs([Path(d) for d in state.get("cgroups", [])])
             shutil.rmtree(state_file.parent, ignore_errors=True)
-            log.info("reaped %s of run %s (owner %s gone)", state.get("server"), state.get("run"), state.get("owner"))
-            reaped += 1
+            log.info("%s %s of run %s (owner %s gone)", "reaped" if killed else "removed the folders of",
+                     state.get("server"), state.get("run"), state.get("owner"))
+            reaped += killed
         return reaped
 
 

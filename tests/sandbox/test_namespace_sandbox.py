@@ -567,3 +567,32 @@ def run_as_nobody(home: Path) -> None:
         pytest.skip("this host allows no unprivileged user namespaces")
     assert suite.returncode == 0, suite.stdout[-4000:] + suite.stderr[-2000:]
     assert " passed" in summary and "failed" not in summary and "error" not in summary, summary
+
+
+def test_reap_counts_only_servers_it_killed_and_removes_what_dead_ones_left(tmp_path, monkeypatch):
+    """A dead harness's sandbox whose server still runs is killed and counted; one whose server already died with its
+    harness (the usual case: pid 1 watches the harness's pipe) leaves only folders, removed but not counted, so the
+    count a resume records does not depend on which harness happened to look first."""
+    import socket
+
+    import sandbox.namespace as ns
+    from sandbox.host import start_time
+
+    monkeypatch.setattr(ns, "IO_ROOT", tmp_path / "io")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead_owner = f"{socket.gethostname()}:x:{gone.pid}:0"
+    survivor = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        for name, pid in (("still-running", survivor.pid), ("died-with-harness", gone.pid)):
+            folder = tmp_path / "io" / name
+            folder.mkdir(parents=True)
+            (folder / "state.json").write_text(json.dumps(
+                {"owner": dead_owner, "run": str(tmp_path), "server": name, "pid": pid,
+                 "start": start_time(survivor.pid) if pid == survivor.pid else "123", "cgroups": []}))
+        assert NamespaceSandbox(config(), tmp_path / "resumed").reap() == 1
+        assert survivor.wait(timeout=10) == -signal.SIGKILL
+        assert list((tmp_path / "io").iterdir()) == []
+    finally:
+        survivor.kill()
+        survivor.wait()
