@@ -8,6 +8,14 @@ turned off, a compile mode, a KV-cache dtype) is an engine argument moved by cod
 (agent/stages/stats.py `moved_by_code`: more requests at once than its max_num_seqs). A candidate whose server
 logs no configuration where the incumbent's did hides it, and is refused for that.
 
+The scheduling limits are in no line vLLM logs: the sandbox's recorder prints them from the engine core's scheduler
+once it is built ("NIGHTSHIFT engine limits: max_num_seqs=4, max_num_active_seqs=4, max_num_scheduled_tokens=2048,
+async_scheduling=False, batch_queue_size=1"), and they are compared as fields of the configuration: a code change
+that lets a step hold more tokens, or turns on the overlap of scheduling with the forward that the CPU platform
+turns off, moves them. Both lines come from the candidate's own process, so they find honest code that moves an
+engine argument; a candidate that forges its log is left to what the harness sees itself (its behaviour, parity,
+the audit).
+
 A candidate that changes flags and code together may differ from the incumbent only in the fields its flags move.
 Which those are, the trusted tree's own vLLM says, without starting an engine: its `EngineArgs`, parsed from the
 `vllm serve` arguments of each side as the server parses them, builds each side's configuration in a child process
@@ -31,6 +39,9 @@ from typing import Any
 from sandbox.base import ServerSpec, serve_argv
 
 CONFIG_LINE = re.compile(r"Initializing a V1 LLM engine \(([^)]*)\) with config: (.*)$", re.M)
+LIMITS_LINE = re.compile(r"NIGHTSHIFT engine limits: (.*)$", re.M)
+"""The scheduling limits the engine core runs with, which vLLM logs nowhere: the sandbox's recorder prints them from
+the engine core's own scheduler once it is built (sandbox/recorder/sitecustomize.py), as `key=value` pairs."""
 PAIRS = {"(": ")", "[": "]", "{": "}"}
 
 
@@ -55,6 +66,12 @@ def config_fields(log: str) -> dict[str, str] | None:
             if key:
                 fields[key.strip()] = value.strip()
             start = i + 1
+    limits = LIMITS_LINE.search(log)
+    if limits is not None:
+        for pair in limits.group(1).split(","):
+            key, _, value = pair.strip().partition("=")
+            if key:
+                fields[key] = value.strip()
     return {"version": match.group(1), **fields}
 
 
@@ -152,7 +169,21 @@ def _child(request: dict[str, Any]) -> str:
     except ImportError:
         context = {}
     config = EngineArgs.from_cli_args(namespace).create_engine_config(**context)
-    return f"Initializing a V1 LLM engine (v{__version__}) with config: {config}"
+    return f"Initializing a V1 LLM engine (v{__version__}) with config: {config}\n{predicted_limits(config)}"
+
+
+def predicted_limits(config) -> str:
+    """The recorder's limits line (sandbox/recorder/sitecustomize.py) for an engine of `config`, as vLLM's scheduler
+    and engine core derive their limits from it."""
+    sched = config.scheduler_config
+    seqs = sched.max_num_seqs
+    active = getattr(sched, "max_num_active_seqs", None)
+    tokens = getattr(sched, "max_num_scheduled_tokens", None)
+    values = {"max_num_seqs": seqs, "max_num_active_seqs": seqs if active is None else active,
+              "max_num_scheduled_tokens": sched.max_num_batched_tokens if tokens is None else tokens,
+              "async_scheduling": sched.async_scheduling,
+              "batch_queue_size": getattr(config, "max_concurrent_batches", 1)}
+    return "NIGHTSHIFT engine limits: " + ", ".join(f"{k}={v}" for k, v in values.items())
 
 
 def clip(value: str, width: int = 80) -> str:

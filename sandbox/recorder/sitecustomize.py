@@ -1,6 +1,10 @@
-"""Loaded by every Python process of a sandboxed server: logs each vLLM source file it opens.
+"""Loaded by every Python process of a sandboxed server: logs each vLLM source file it opens, and the scheduling
+limits the engine core runs with.
 
-The harness hashes the files itself from the read-only tree; this only says which were read."""
+The harness hashes the files itself from the read-only tree; this only says which were read. The limits (how many
+sequences and tokens a step may hold, whether scheduling overlaps the forward) are in no line vLLM logs, so a code
+change that moved them would go unseen: once the engine core is built, its scheduler's own values are printed as
+one line of the server's log (agent/stages/engine_config.py reads it beside vLLM's configuration line)."""
 import os
 import sys
 
@@ -55,5 +59,66 @@ def _run_next_sitecustomize():
             return
 
 
+LIMITS = "NIGHTSHIFT engine limits: "
+ENGINE_CORE = "vllm.v1.engine.core"
+
+
+def _limits_line(core) -> str:
+    """The limits an engine core runs with, read from its scheduler (as the scheduler applies them)."""
+    sched = core.scheduler
+    values = {"max_num_seqs": getattr(sched, "max_num_running_reqs", None),
+              "max_num_active_seqs": getattr(sched, "max_num_active_reqs", None),
+              "max_num_scheduled_tokens": getattr(sched, "max_num_scheduled_tokens", None),
+              "async_scheduling": getattr(core, "async_scheduling", None),
+              "batch_queue_size": getattr(core, "batch_queue_size", None)}
+    return LIMITS + ", ".join(f"{k}={v}" for k, v in values.items())
+
+
+def _wrap_engine_core(module) -> None:
+    cls = getattr(module, "EngineCore", None)
+    if cls is None or getattr(cls.__init__, "_nightshift", False):
+        return
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        try:
+            line = _limits_line(self)
+        except Exception as exc:  # a tree without a scheduler attribute: said so, the comparison finds it
+            line = LIMITS + f"unreadable={type(exc).__name__}"
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    __init__._nightshift = True
+    cls.__init__ = __init__
+
+
+class _EngineCoreFinder:
+    """Finds vllm.v1.engine.core as Python would, and wraps EngineCore.__init__ once the module has run."""
+
+    def find_spec(self, name, path, target=None):
+        if name != ENGINE_CORE:
+            return None
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+
+        def exec_and_wrap(module):
+            exec_module(module)
+            _wrap_engine_core(module)
+
+        loader.exec_module = exec_and_wrap
+        return spec
+
+    def invalidate_caches(self):
+        pass
+
+
 if _first_load:
+    if _log_path and _root:
+        sys.meta_path.insert(0, _EngineCoreFinder())
     _run_next_sitecustomize()

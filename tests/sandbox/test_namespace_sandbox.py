@@ -450,12 +450,22 @@ def test_servers_start_from_the_exported_caches_at_one_tree_path(tmp_path, run_d
 def test_real_vllm_serves_a_greedy_completion_in_the_namespace_sandbox(vllm_tree, local_greedy_tokens, real_vllm_seed, run_dir):
     """Real vLLM starts and serves in the namespace sandbox, imports from the candidate tree, and returns the greedy
     tokens the same tree returns served locally; it starts from the local server's exported caches."""
+    from agent.stages.engine_config import config_fields, predict_config, serve_flags
+
     sandbox = NamespaceSandbox(config(memory_gb=8, pids_limit=4096, tmpfs_mb=2048), run_dir)
     started = time.monotonic()
-    server = sandbox.start(real_vllm_spec(vllm_tree, seed=real_vllm_seed))
+    spec = real_vllm_spec(vllm_tree, seed=real_vllm_seed)
+    server = sandbox.start(spec)
     startup_s = time.monotonic() - started
     try:
         tokens = greedy_tokens(server)
+        # the recorder printed the engine core's scheduling limits, and they are what the tree's EngineArgs predict
+        logged, predicted = config_fields(server.logs()), predict_config(vllm_tree, spec.model_dir,
+                                                                          serve_flags(spec), spec.env)
+        limits = ("max_num_seqs", "max_num_active_seqs", "max_num_scheduled_tokens", "async_scheduling",
+                  "batch_queue_size")
+        assert {k: logged.get(k) for k in limits} == {k: predicted[k] for k in limits}
+        assert logged["async_scheduling"] == "False"  # the CPU platform turns the overlap off
         # started from the local server's caches (vLLM's model inspection among them), and exports its own
         assert seeded(sandbox, server, run_dir / "exported") == [SEED_MARK, MODEL_INSPECTION]
         imports = server.imported_files()

