@@ -12,7 +12,7 @@ from typing import Callable
 
 from agent.proposers.base import START_LOG
 from agent.run.incumbent import Incumbent
-from agent.run.pool import ServerPool, ServerRequest
+from agent.run.pool import START_LOG_CHARS, ServerPool, ServerRequest
 from agent.run.setup import RunSetup
 from agent.stages import bench, noise
 from agent.stages.noise import NoiseFloorFailed
@@ -22,10 +22,6 @@ from agent.stages.token_audit import calibration_refusal, run_audit
 from sandbox.base import Server
 from traces.errors import NightshiftError
 from traces.schema import NoiseFloor, SelfParity, TokenAudit
-
-
-START_LOG_CHARS = 2_000_000
-"""Far above any server's start log (vLLM's on an H200, routes and CUDA-graph capture included, is tens of KB)."""
 
 
 class SetupNotDeterministic(NightshiftError):

@@ -15,7 +15,6 @@ from agent.run.pool import ServerPool, ServerRequest, Starting
 from agent.run.setup import RunSetup
 from agent.run.trial import Trial
 from agent.run.workspace import ApplyError
-from agent.run.baseline import START_LOG_CHARS
 from agent.stages import bench, engine_config, liveness
 from agent.stages.build import BuildError, build
 from agent.stages.completions import ANSWER_ERRORS
@@ -103,11 +102,13 @@ class Judge:
     def check_engine_config(self, production: Server, args: dict, files: list[str]) -> None:
         """A code change must serve the incumbent's engine configuration, as its server logged it at start, but for
         the fields its own flags move, as the trusted tree's vLLM predicts them (agent/stages/engine_config.py); a
-        change of flags alone is judged as flags are. Before the benchmark: the cheapest check first."""
+        change of flags alone is judged as flags are. Before the benchmark: the cheapest check first. Both logs as
+        they stood when the servers answered: an incumbent that has served all night has pushed its start out of
+        any tail of its log."""
         flags = dict(args) != dict(self.incumbent.args)
         if flags and not files:
             return
-        theirs, ours = self.incumbent.server.logs(START_LOG_CHARS), production.logs(START_LOG_CHARS)
+        theirs, ours = self.pool.start_log(self.incumbent.server), self.pool.start_log(production)
         by_flags = None
         if flags and engine_config.config_fields(theirs) is not None:
             try:

@@ -30,6 +30,11 @@ class ServerRequest:
     """At most this long to start (a candidate's time left); engine.startup_timeout_s otherwise."""
 
 
+START_LOG_CHARS = 2_000_000
+"""How much of a server's log is kept as it stood once the server answered (`start_log`): far above any server's
+start log (vLLM's on an H200, routes and CUDA-graph capture included, is tens of KB)."""
+
+
 class ServerPool:
     def __init__(self, task: Task, sandbox: Sandbox, model_dir: Path, run_id: str, cache_seed: Path | None = None,
                  starts_log: Path | None = None):
@@ -42,6 +47,9 @@ class ServerPool:
         self.baseline_start_s = 0.0
         """The slowest start of a server of the unmodified baseline tree, as measured in this pool."""
         self.running: list[Server] = []
+        self._start_logs: dict[int, str] = {}
+        """Each running server's log as it stood when it answered: the engine configuration and limits it logged
+        at start, which a log read later from its tail loses once the server has served long enough."""
         self._lock = threading.Lock()
         self.sandbox.reap()
 
@@ -87,8 +95,10 @@ class ServerPool:
             self._log_start(request, began, "cancelled" if cancelled(exc) else type(exc).__name__)
             raise
         self._log_start(request, began, "ok")
+        start_log = server.logs(START_LOG_CHARS)
         with self._lock:
             self.running.append(server)
+            self._start_logs[id(server)] = start_log
             if self.trusted is not None and Path(request.tree) == self.trusted:
                 self.baseline_start_s = max(self.baseline_start_s, time.monotonic() - began)
         if self.cache_seed is not None and self.trusted is not None and Path(request.tree) == self.trusted:
@@ -115,12 +125,20 @@ class ServerPool:
         failure (a SandboxError where there is one) is raised."""
         return self.begin(requests).all()
 
+    def start_log(self, server: Server) -> str:
+        """The server's log as it stood when it answered (for a server this pool did not start: as it is now)."""
+        with self._lock:
+            if any(s is server for s in self.running) and id(server) in self._start_logs:
+                return self._start_logs[id(server)]
+        return server.logs(START_LOG_CHARS)
+
     def release(self, server: Server) -> None:
         """Stop a server this pool started; a second release of the same server does nothing."""
         with self._lock:
             if not any(s is server for s in self.running):
                 return
             self.running = [s for s in self.running if s is not server]
+            self._start_logs.pop(id(server), None)
         server.stop()
 
     def close(self) -> None:

@@ -206,3 +206,55 @@ def test_a_code_change_that_moves_the_engine_configuration_is_rejected_before_it
     assert not benchmarked & {2, 3, 4}  # rejected before any pass
     assert audit(setup.run_dir).finished and finished.candidates == 4
     assert stopped_once(loop)
+
+
+class _GrowingServer:
+    """A server whose log grows as it serves; logs() reads its tail, as every backend's does."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def logs(self, limit: int = 20_000) -> str:
+        return self.text[-limit:]
+
+    def stop(self) -> str:
+        return "ok"
+
+
+class _StubSandbox:
+    def __init__(self, start_logs: list[str]):
+        self.start_logs = list(start_logs)
+
+    def reap(self) -> int:
+        return 0
+
+    def start(self, spec, cancel=None):
+        return _GrowingServer(self.start_logs.pop(0))
+
+    def export_cache(self, server, dest) -> None:
+        pass
+
+
+def test_the_incumbent_is_judged_by_its_start_log_however_long_it_has_served(tmp_path):
+    """An incumbent that has served all night has pushed its configuration out of any tail of its log (2 MB is
+    about 30,000 request lines): read from the tail, a code change that turns prefix caching off had nothing to be
+    compared with and went unchecked. The pool keeps each server's log as it stood when it answered: the adversary
+    is named, the honest change passes, and a released server's entry goes."""
+    from agent.run.pool import START_LOG_CHARS, ServerPool, ServerRequest
+    from agent.world.task import load_task
+
+    task = load_task(Path(__file__).resolve().parents[2] / "tasks" / "gemma4-tiny-cpu.yaml")
+    off = LOGGED.replace("enable_prefix_caching=True", "enable_prefix_caching=False")
+    pool = ServerPool(task, _StubSandbox([START + LOGGED + LIMITS, off + LIMITS, LOGGED + LIMITS]), tmp_path, "run")
+    incumbent, adversary, honest = pool.start([ServerRequest(name, tmp_path, {}) for name in
+                                               ("incumbent", "candidate-1", "candidate-2")])
+    incumbent.text += 'INFO:      - "POST /v1/completions HTTP/1.1" 200 OK\n' * 40_000
+    assert config_fields(incumbent.logs(START_LOG_CHARS)) is None  # the tail no longer holds the start
+    assert moved_by_code(incumbent.logs(START_LOG_CHARS), adversary.logs(START_LOG_CHARS)) is None  # unchecked
+    why = moved_by_code(pool.start_log(incumbent), pool.start_log(adversary))
+    assert why.startswith("engine arguments moved by code: enable_prefix_caching True -> False"), why
+    assert moved_by_code(pool.start_log(incumbent), pool.start_log(honest)) is None
+    pool.release(incumbent)
+    assert pool.start_log(incumbent) == incumbent.logs(START_LOG_CHARS) and pool._start_logs.keys() == {
+        id(adversary), id(honest)}
+    pool.close()
