@@ -90,13 +90,30 @@ token reached the client in a burst at its end (TTFT p50 2,063 ms of a 2.08 s pa
 fewer of its passes gains only in those."""
 
 
-def passes_over(passes, declared: int) -> int:
-    return sum(not within_max_num_seqs(declared, s.decoding_at_once) for s in passes)
+BURST = 0.25
+"""A pass whose median time per output token is under this share of the incumbent's median in the same benchmark was
+delivered in a burst: its tokens reached the client together, so how many requests streamed at once says nothing of
+how many the engine held. Beside the test suite (2026-12-06, `benchmarks/noise/judge_study.sh suite`), honest A/As
+had such passes read as 28 and 30 requests at once with max_num_seqs 4 (TPOT p50 0.56 and 0.78 ms where the side's
+median was 8.6 and 9.4; the engine's 257-258 steps as in every pass), and one benchmark of two copies of one tree had
+10 of its 40 passes over the bound, where the rule then needed 4: a false rejection. A server that delivers most of
+its passes in bursts hides its schedule that way, and its bursts count."""
+
+
+def passes_over(passes, declared: int, tpot_ref: float | None = None) -> int:
+    """Passes that streamed more requests at once than `declared` allows, not counting those delivered in a burst
+    (BURST of `tpot_ref`, the incumbent's median TPOT) unless such passes are half of the side's or more."""
+    over = [s for s in passes if not within_max_num_seqs(declared, s.decoding_at_once)]
+    if not tpot_ref:
+        return len(over)
+    burst = [s for s in over if s.tpot_ms_p50 is not None and s.tpot_ms_p50 < BURST * tpot_ref]
+    return len(over) if 2 * len(burst) >= len(passes) else len(over) - len(burst)
 
 
 def moved_by_code(samples) -> str | None:
     """Why a candidate's benchmark does not count: its server streamed more requests at once than the
-    max_num_seqs it declares (in MOVED_SHARE of its passes, MOVED_MIN at least), in a benchmark where the incumbent's
+    max_num_seqs it declares (in MOVED_SHARE of its passes, MOVED_MIN at least; passes delivered in a burst aside,
+    BURST), in a benchmark where the incumbent's
     server kept to its own: the candidate's code moved an engine argument, which only the serving flags may change
     (edit_surface.engine_args). None if it counts, or where the passes do not say (no declared max_num_seqs, older
     traces, or an incumbent that does not keep to its own, as a stand-in server that ignores it)."""
@@ -104,7 +121,9 @@ def moved_by_code(samples) -> str | None:
     if any(not passes or any(s.max_num_seqs is None or s.decoding_at_once is None for s in passes)
            for passes in sides.values()):
         return None
-    over = {role: passes_over(passes, passes[0].max_num_seqs) for role, passes in sides.items()}
+    tpots = [s.tpot_ms_p50 for s in sides["incumbent"] if s.tpot_ms_p50]
+    tpot_ref = float(np.median(tpots)) if tpots else None
+    over = {role: passes_over(passes, passes[0].max_num_seqs, tpot_ref) for role, passes in sides.items()}
     moved = {role: over[role] >= max(MOVED_MIN, math.ceil(MOVED_SHARE * len(passes))) for role, passes in sides.items()}
     if not moved["candidate"] or moved["incumbent"]:
         return None

@@ -80,7 +80,11 @@ def audit_row(s: RunSetup, reference, result, calibration, index: int) -> dict:
 
 
 def summarize(task, rows: list[dict], patches: list[str]) -> dict:
+    """The study's counts. A benchmark the rules do not count (`not_counted`: a candidate's would be rejected at
+    `benchmark`) is counted apart, and left out of the speedups and the spread."""
     a = task.acceptance
+    dropped = {label: sum(r["label"] == label for r in rows if "not_counted" in r) for label in ["A/A", *patches]}
+    rows = [r for r in rows if "not_counted" not in r]
     aa = [r for r in rows if r["label"] == "A/A"]
     sd = float(np.sqrt(np.mean([r["log_ratio_sd"] ** 2 for r in aa]))) if aa else float("nan")
     n, known = task.benchmark.repetitions, bool(aa)
@@ -92,7 +96,7 @@ def summarize(task, rows: list[dict], patches: list[str]) -> dict:
                        "mde_speedup_at_max": (math.exp(noise.mde_log(sd, task.benchmark.max_repetitions, a.confidence))
                                               if known and task.benchmark.max_repetitions else None),
                        "pairs_for_min_speedup": noise.pairs_needed(sd, a.min_speedup, a.confidence) if known else None,
-                       "power": noise.POWER}, "patches": {}}
+                       "power": noise.POWER, "not_counted": dropped["A/A"]}, "patches": {}}
     audited = [r for r in aa if "audit" in r]
     if audited:
         summary["a_a"]["audit"] = {"benchmarks": len(audited), "false_rejects": sum(not r["audit"]["passed"] for r in audited),
@@ -107,7 +111,8 @@ def summarize(task, rows: list[dict], patches: list[str]) -> dict:
         summary["patches"][name] = {"audit_rejects": sum("audit" in r and not r["audit"]["passed"] for r in mine),
                                     "benchmarks": len(mine), "mean_speedup": mean, "direction": direction,
                                     "detected": sum(r[direction] for r in mine), "accepted": sum(r["accepted"] for r in mine),
-                                    "speedups": [round(r["speedup"], 4) for r in mine]}
+                                    "speedups": [round(r["speedup"], 4) for r in mine],
+                                    "not_counted": dropped[name]}
     return summary
 
 
@@ -118,11 +123,14 @@ def markdown(data: dict) -> str:
              f"{data['metric']}, acceptance: interval above {data['min_speedup']} at {data['confidence']:.0%}.", "",
              "| benchmark | speedup | interval | pairs | accepted |", "|---|---|---|---|---|"]
     for r in data["benchmarks"]:
+        if "not_counted" in r:
+            lines.append(f"| {r['label']} #{r['index']} | not counted: {r['not_counted']} | | | no |")
+            continue
         lines.append(f"| {r['label']} #{r['index']} | {r['speedup']:.4f} | [{r['ci_low']:.4f}, {r['ci_high']:.4f}] "
                      f"| {r['pairs']} | {'yes' if r['accepted'] else 'no'} |")
     mde = f"{aa['mde_speedup']:.4f}x" if aa["mde_speedup"] else "n/a"
     lines += ["", f"A/A: {aa['benchmarks']} benchmarks, {aa['false_accepts']} false accepts, "
-                  f"{aa['interval_excludes_one']} intervals excluding 1; pooled per-pair log-ratio SD "
+                  f"{aa['interval_excludes_one']} intervals excluding 1, {aa.get('not_counted', 0)} not counted; pooled per-pair log-ratio SD "
                   f"{aa['pooled_log_ratio_sd']:.4f} (net of the order term); minimum detectable effect {mde} at {aa['power']:.0%} power; "
                   f"pairs for {data['min_speedup']}x: {aa['pairs_for_min_speedup']}"]
     if "audit" in aa:
@@ -133,7 +141,7 @@ def markdown(data: dict) -> str:
                      f"{au['max_deficit']:.3f} nats")
     for name, p in data["summary"]["patches"].items():
         lines.append(f"{name}: mean {p['mean_speedup']:.4f}x, detected {p['direction']} in {p['detected']} of "
-                     f"{p['benchmarks']}, accepted {p['accepted']}"
+                     f"{p['benchmarks']}, accepted {p['accepted']}, {p.get('not_counted', 0)} not counted"
                      + (f"; NEVER IMPORTED: {p['never_imported']}" if p.get("never_imported") else ""))
     return "\n".join(lines) + "\n"
 
@@ -178,7 +186,12 @@ def study(s: RunSetup, aa: int, patches: list[Path], repeat: int, sandbox=None,
                     if both_ways:
                         plan.append((name + REVERSED, servers[2 + i], servers[1], k))
             for label, first, other, k in plan:
-                row = measure(s, first, other, label, k)
+                try:
+                    row = measure(s, first, other, label, k)
+                except bench.NotCounted as exc:  # a candidate's benchmark would be rejected here: recorded, go on
+                    rows.append({"label": label, "index": k, "accepted": False, "not_counted": str(exc)})
+                    on_line(f"{label} #{k}: not counted: {exc}")
+                    continue
                 if calibration is not None:
                     row["audit"] = audit_row(s, servers[0], row["result"], calibration, len(rows) + 1)
                 floor = noise.summarize(s.task, row["result"].samples, row["result"].estimate)

@@ -12,9 +12,9 @@ from traces import read_trace
 from traces.schema import Sample
 
 
-def sample(role: str, declared: int | None, seen: int | None) -> Sample:
+def sample(role: str, declared: int | None, seen: int | None, tpot_ms: float | None = None) -> Sample:
     return Sample(role=role, repetition=0, seconds=1.0, input_tokens=1, output_tokens=1, total_tokens_per_s=2.0,
-                  output_tokens_per_s=1.0, max_num_seqs=declared, decoding_at_once=seen)
+                  output_tokens_per_s=1.0, max_num_seqs=declared, decoding_at_once=seen, tpot_ms_p50=tpot_ms)
 
 
 def test_the_rule_reads_both_sides_and_only_what_they_declare():
@@ -46,6 +46,27 @@ def test_one_pass_delivered_in_a_burst_is_not_a_moved_argument_and_a_tenth_of_th
     # an incumbent stalled once still keeps to its own: the candidate is judged
     assert moved_by_code(incumbent[:-1] + [sample("incumbent", 4, 29)] + [sample("candidate", 4, 16)] * 32)
     assert within_max_num_seqs(4, 8) and not within_max_num_seqs(4, 9) and within_max_num_seqs(32, 50)
+
+
+def test_passes_delivered_in_bursts_beside_a_busy_machine_are_not_a_moved_argument_unless_they_are_most():
+    """Beside the test suite, two copies of one tree: passes whose tokens reached the client in a burst (TPOT p50
+    0.56-0.78 ms where the side's median was 8.6-9.4 ms) read as 28-30 requests at once with max_num_seqs 4, in 10 of
+    one side's 40 passes and 3 of the other's: the rule (a tenth, so 4) rejected the honest copy. Bursts are set
+    aside. The adversaries: a server that holds 16 with its tokens paced as any pass's, in a tenth of its passes; and
+    one that holds 16 and delivers every pass in a burst to hide it."""
+    incumbent = [sample("incumbent", 4, 4, 8.6)] * 37 + [sample("incumbent", 4, 28, 0.6)] * 3
+    honest = [sample("candidate", 4, 4, 8.8)] * 30 + [sample("candidate", 4, 30, 0.7)] * 10
+    assert moved_by_code(incumbent + honest) is None
+    paced = [sample("candidate", 4, 4, 8.8)] * 36 + [sample("candidate", 4, 16, 9.5)] * 4
+    assert "in 4 of its 40 passes" in moved_by_code(incumbent + paced)
+    hidden = [sample("candidate", 4, 16, 0.5)] * 40
+    assert "in 40 of its 40 passes" in moved_by_code(incumbent + hidden)
+    # the burst is read against the incumbent's pace, not the candidate's own
+    slow_everywhere = [sample("candidate", 4, 16, 1.5)] * 40
+    assert moved_by_code([sample("incumbent", 4, 4, 1.2)] * 40 + slow_everywhere)
+    # older traces without a TPOT: every pass over the bound counts, as before
+    assert "in 4 of its 40 passes" in moved_by_code(
+        [sample("incumbent", 4, 4)] * 40 + [sample("candidate", 4, 4)] * 36 + [sample("candidate", 4, 30)] * 4)
 
 
 @pytest.fixture(scope="module")

@@ -82,3 +82,30 @@ def test_bad_study_options_are_one_clear_line(argv, message, tmp_path):
     result = CliRunner().invoke(app, ["noise", *argv, "--runs-dir", str(tmp_path / "runs")])
     assert result.exit_code == 2 and message in result.output
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_benchmark_the_rules_do_not_count_is_recorded_apart_and_the_study_goes_on():
+    """Beside the test suite an A/A-like benchmark was found 'moved by code' (since mended: passes delivered in a
+    burst) and the whole study stopped with a traceback, its other benchmarks unwritten. Such a benchmark is now a
+    row of its own, counted apart and left out of the speedups and the spread."""
+    from pathlib import Path
+
+    from agent.studies.noise_study import markdown, summarize
+    from agent.world.task import load_task
+
+    task = load_task(Path(__file__).resolve().parents[2] / "tasks" / "gemma4-tiny-cpu.yaml")
+
+    def row(label, index, speedup):
+        return {"label": label, "index": index, "pairs": 8, "speedup": speedup, "ci_low": speedup - 0.02,
+                "ci_high": speedup + 0.02, "accepted": False, "slower": False, "faster": False, "log_ratio_sd": 0.05}
+
+    rows = [row("A/A", 0, 1.0), {"label": "A/A", "index": 1, "accepted": False, "not_counted": "moved by code"},
+            row("step", 0, 0.95), {"label": "step", "index": 1, "accepted": False, "not_counted": "idle work"}]
+    summary = summarize(task, rows, ["step"])
+    assert summary["a_a"]["benchmarks"] == 1 and summary["a_a"]["not_counted"] == 1
+    assert summary["a_a"]["pooled_log_ratio_sd"] == pytest.approx(0.05)
+    assert summary["patches"]["step"]["benchmarks"] == 1 and summary["patches"]["step"]["not_counted"] == 1
+    text = markdown({"run_id": "r", "task": task.name, "environment": {"gpu": "cpu", "vllm": "0.32.0"},
+                     "metric": "total_tokens_per_s", "min_speedup": 1.02, "confidence": 0.95, "summary": summary,
+                     "benchmarks": rows})
+    assert "| A/A #1 | not counted: moved by code |" in text and "1 not counted" in text
