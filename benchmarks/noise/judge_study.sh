@@ -21,7 +21,7 @@ elif [ "$condition" = suite ]; then
   rm -rf "$runs/suite-clone"
   git clone -q . "$runs/suite-clone"
   suite_began=$SECONDS
-  # a session of its own, so that the whole suite (pytest, its workers and servers) is stopped as one group
+  # its own process group (setsid), so that the whole suite (pytest, its workers and servers) is stopped as one group
   (cd "$runs/suite-clone" && exec setsid bash scripts/test.sh) > "$runs/neighbour.log" 2>&1 &
   neighbour=$!
   trap 'kill -- "-$neighbour" 2>/dev/null || true' EXIT
