@@ -12,7 +12,7 @@ from typing import Callable
 
 from agent.proposers.base import START_LOG
 from agent.run.incumbent import Incumbent
-from agent.run.pool import START_LOG_CHARS, ServerPool, ServerRequest
+from agent.run.pool import ServerPool, ServerRequest
 from agent.run.setup import RunSetup
 from agent.stages import bench, noise
 from agent.stages.noise import NoiseFloorFailed
@@ -60,7 +60,7 @@ def measure_baseline(setup: RunSetup, pool: ServerPool, emit: Callable) -> Basel
     peers = [ServerRequest("baseline-aa", tree, args)] if task.benchmark.noise_floor and dedicated else []
     requests[-1:-1] = peers
     servers = pool.start(requests)
-    save_start_log(setup, servers[-1])
+    save_start_log(setup, pool.start_log(servers[-1]))
     reference, second = servers[0], servers[1]
     report = fresh_parity(task, setup.vocab_size, reference, 0, second)
     margins, margins_error = (served_margins(reference, task.parity, setup.vocab_size, task.benchmark.request_timeout_s)
@@ -82,10 +82,10 @@ def measure_baseline(setup: RunSetup, pool: ServerPool, emit: Callable) -> Basel
     return Baseline(reference, incumbent, calibration, floor)
 
 
-def save_start_log(setup: RunSetup, production: Server) -> None:
-    """The production server's log as it started (START_LOG), whole, for the LLM proposer's opening."""
+def save_start_log(setup: RunSetup, start_log: str) -> None:
+    """The production server's log as it started (START_LOG, ServerPool.start_log), for the LLM proposer's opening."""
     part = setup.run_dir / f".{START_LOG}.{os.getpid()}.part"  # a parallel run's workers each write it
-    part.write_text(production.logs(limit=START_LOG_CHARS))
+    part.write_text(start_log)
     part.replace(setup.run_dir / START_LOG)
 
 

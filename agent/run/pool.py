@@ -128,9 +128,8 @@ class ServerPool:
     def start_log(self, server: Server) -> str:
         """The server's log as it stood when it answered (for a server this pool did not start: as it is now)."""
         with self._lock:
-            if any(s is server for s in self.running) and id(server) in self._start_logs:
-                return self._start_logs[id(server)]
-        return server.logs(START_LOG_CHARS)
+            kept = self._start_logs.get(id(server))  # released servers' entries go with them
+        return kept if kept is not None else server.logs(START_LOG_CHARS)
 
     def release(self, server: Server) -> None:
         """Stop a server this pool started; a second release of the same server does nothing."""

@@ -39,7 +39,8 @@ from typing import Any
 from sandbox.base import ServerSpec, serve_argv
 
 CONFIG_LINE = re.compile(r"Initializing a V1 LLM engine \(([^)]*)\) with config: (.*)$", re.M)
-LIMITS_LINE = re.compile(r"NIGHTSHIFT engine limits: (.*)$", re.M)
+LIMITS = "NIGHTSHIFT engine limits: "
+LIMITS_LINE = re.compile(re.escape(LIMITS) + r"(.*)$", re.M)
 """The scheduling limits the engine core runs with, which vLLM logs nowhere: the sandbox's recorder prints them from
 the engine core's own scheduler once it is built (sandbox/recorder/sitecustomize.py), as `key=value` pairs."""
 PAIRS = {"(": ")", "[": "]", "{": "}"}
@@ -183,7 +184,7 @@ def predicted_limits(config) -> str:
               "max_num_scheduled_tokens": sched.max_num_batched_tokens if tokens is None else tokens,
               "async_scheduling": sched.async_scheduling,
               "batch_queue_size": getattr(config, "max_concurrent_batches", 1)}
-    return "NIGHTSHIFT engine limits: " + ", ".join(f"{k}={v}" for k, v in values.items())
+    return LIMITS + ", ".join(f"{k}={v}" for k, v in values.items())
 
 
 def clip(value: str, width: int = 80) -> str:
