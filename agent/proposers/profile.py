@@ -4,11 +4,12 @@ One offline vLLM engine, in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), import
 PYTHONPATH, as its servers have it), with the incumbent's engine args (those that are vLLM engine arguments: a server
 option such as `api_server_count` is left out, and named), generates one wave of the benchmark: `workload.concurrency`
 requests (every prompt where the task sets no concurrency) of the workload's input and output lengths. It does so
-twice: under cProfile (vLLM's Python functions by self and cumulative time: what the proposer can edit), and under
-torch.profiler: on a GPU with its CUDA activity, for the kernel table (each kernel's device time and share of it); on
-the CPU for the CPU op table. It runs in a child process with a timeout, and is cached as JSON under the nightshift
-cache, keyed by everything that decides it: the tree's content (its git tree and uncommitted diff), the engine args and
-environment, the model, the workload and the GPUs.
+three times: unprofiled (the wave's own time, and a warm engine for the rest), under cProfile (vLLM's Python
+functions by self and cumulative time: what the proposer can edit), and under torch.profiler: on a GPU with its CUDA
+activity, for the kernel table (each kernel's device time and share of it); on the CPU for the CPU op table. It
+runs in a child process with a timeout, and is cached as JSON under the nightshift cache, keyed by everything that
+decides it: the tree's content (its git tree and uncommitted diff), the engine args and environment, the model, the
+workload and the GPUs.
 
     python -m agent.proposers.profile --task tasks/gemma4-tiny-cpu.yaml [--tree PATH]   # prints the summary
 """
@@ -71,6 +72,9 @@ class Profile(BaseModel):
     tree: str = ""
     """The profiled tree's identity (tree_id), or the installed vLLM."""
     seconds: float = 0.0
+    """The wave under cProfile."""
+    plain_s: float = 0.0
+    """The same wave unprofiled (run first, so the profiled waves find the engine warm): what the profilers add."""
     prompts: int = 0
     output_tokens: int = 0
     functions: list[HotFunction] = Field(default_factory=list)
@@ -101,6 +105,11 @@ class Profile(BaseModel):
     def summary(self, max_functions: int = 15, max_rows: int = 12) -> str:
         lines = [f"{self.source} on {self.device}: {self.prompts} requests at once, {self.output_tokens} output "
                  f"tokens in {self.seconds:.2f}s (profiled)."]
+        if self.plain_s:
+            torch_part = f", {self.profiled_ms / 1000:.2f}s under torch.profiler" if self.profiled_ms else ""
+            lines.append(f"The same wave unprofiled: {self.plain_s:.2f}s ({self.output_tokens / self.plain_s:,.0f} "
+                         f"output tokens/s); {self.seconds:.2f}s under cProfile{torch_part}. Read the tables' "
+                         f"shares, not their seconds.")
         if self.left_out:
             lines.append(f"Left out of the offline engine (server options, not engine arguments): "
                          f"{', '.join(self.left_out)}.")
@@ -293,6 +302,11 @@ def _child(request: dict[str, Any]) -> Profile:
                for _ in range(request["num_prompts"])]
     params = SamplingParams(temperature=0.0, max_tokens=request["output_len"], ignore_eos=True)
     llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+    started = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)  # the wave unprofiled, which also warms every batch shape
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    plain_s = time.perf_counter() - started
 
     profiler = cProfile.Profile()
     started = time.perf_counter()
@@ -315,7 +329,7 @@ def _child(request: dict[str, Any]) -> Profile:
     return Profile(source=f"vLLM {request['vllm_version']} offline engine of {request['tree_id']}, engine args "
                           f"{json.dumps(kwargs, sort_keys=True)}",
                    device=torch.cuda.get_device_name(0) if gpu else "cpu", tree=request["tree_id"],
-                   seconds=round(seconds, 3), prompts=len(prompts),
+                   seconds=round(seconds, 3), plain_s=round(plain_s, 6), prompts=len(prompts),
                    output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
                    functions=functions, cumulative=cumulative, ops=op_table(averages), kernels=kernels,
                    device_ms=device_ms, profiled_ms=round(profiled_ms, 1), left_out=left_out)

@@ -101,25 +101,25 @@ class Judge:
 
     def check_engine_config(self, production: Server, args: dict, files: list[str]) -> None:
         """A code change must serve the incumbent's engine configuration, as its server logged it at start, but for
-        the fields its own flags move, as the trusted tree's vLLM predicts them (agent/stages/engine_config.py); a
-        change of flags alone is judged as flags are. Before the benchmark: the cheapest check first. Both logs as
-        they stood when the servers answered: an incumbent that has served all night has pushed its start out of
-        any tail of its log."""
+        the fields its own flags move, to the values the trusted tree's vLLM predicts for them
+        (agent/stages/engine_config.py); a change of flags alone is judged as flags are. Before the benchmark: the
+        cheapest check first. Both logs as they stood when the servers answered: an incumbent that has served all
+        night has pushed its start out of any tail of its log."""
         flags = dict(args) != dict(self.incumbent.args)
         if flags and not files:
             return
         theirs, ours = self.pool.start_log(self.incumbent.server), self.pool.start_log(production)
-        by_flags = None
+        predicted = None
         if flags and engine_config.config_fields(theirs) is not None:
             try:
-                by_flags = engine_config.fields_moved_by_flags(
+                predicted = engine_config.predicted_sides(
                     self.pool.trusted, *(self.pool.spec(ServerRequest("predicted", self.incumbent.tree, a))
                                          for a in (self.incumbent.args, args)))
             except engine_config.PredictionError as exc:
                 raise Rejected("benchmark", f"flags and code together: which engine configuration fields the flags "
                                             f"move could not be predicted ({exc}), so what the code moved cannot be "
                                             f"told apart; propose the flags and the code as two candidates") from None
-        why = engine_config.moved_by_code(theirs, ours, by_flags)
+        why = engine_config.moved_by_code(theirs, ours, predicted)
         if why:
             raise Rejected("benchmark", why)
 

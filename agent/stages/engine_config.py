@@ -16,12 +16,15 @@ turns off, moves them. Both lines come from the candidate's own process, so they
 engine argument; a candidate that forges its log is left to what the harness sees itself (its behaviour, parity,
 the audit).
 
-A candidate that changes flags and code together may differ from the incumbent only in the fields its flags move.
-Which those are, the trusted tree's own vLLM says, without starting an engine: its `EngineArgs`, parsed from the
-`vllm serve` arguments of each side as the server parses them, builds each side's configuration in a child process
-(`fields_moved_by_flags`); the fields where the two differ are the flags' to move, and any other field the
-candidate's server logs differently was moved by its code. Where the prediction fails, the candidate is refused:
-what its code moved cannot be told from what its flags moved.
+A candidate that changes flags and code together may differ from the incumbent only in the fields its flags move,
+and there only to the values its flags give. Which fields and values those are, the trusted tree's own vLLM says,
+without starting an engine: its `EngineArgs`, parsed from the `vllm serve` arguments of each side as the server parses
+them, builds each side's configuration in a child process (`predicted_sides`); the fields where the two differ are
+the flags' to move. Any other field the candidate's server logs differently was moved by its code, and so was a
+flags' field it logs at another value than predicted, where the prediction holds for the incumbent (its server
+logged what its own flags predict; a field the engine rewrites at start, beyond what the arguments say, cannot be
+held to a prediction and is left to the flags). Where the prediction fails, the candidate is refused: what its code
+moved cannot be told from what its flags moved.
 
     python -m agent.stages.engine_config --tree TREE --model DIR -- --max-num-seqs 8   # prints the line"""
 from __future__ import annotations
@@ -76,10 +79,13 @@ def config_fields(log: str) -> dict[str, str] | None:
     return {"version": match.group(1), **fields}
 
 
-def moved_by_code(incumbent_log: str, candidate_log: str, by_flags: set[str] | None = None) -> str | None:
+def moved_by_code(incumbent_log: str, candidate_log: str,
+                  predicted: tuple[dict[str, str], dict[str, str]] | None = None) -> str | None:
     """Why a code change's server does not serve its parent's engine configuration, or None where it does (or
-    where the incumbent's server logs none to compare with). `by_flags`: for a candidate that changes flags too,
-    the fields its flags move (fields_moved_by_flags), which may differ."""
+    where the incumbent's server logs none to compare with). `predicted`: for a candidate that changes flags too,
+    the configuration the trusted tree predicts for the incumbent's flags and for the candidate's (predicted_sides):
+    the fields where they differ may differ, to the candidate's predicted value where the incumbent's own is as
+    predicted."""
     theirs = config_fields(incumbent_log)
     if theirs is None:
         return None
@@ -88,16 +94,24 @@ def moved_by_code(incumbent_log: str, candidate_log: str, by_flags: set[str] | N
         return ("its server logged no engine configuration at start, where the incumbent's did (vLLM's engine core "
                 "reports it once: 'Initializing a V1 LLM engine ... with config:'): engine arguments it may have "
                 "moved by code cannot be checked")
-    moved = [f"{k} {clip(theirs.get(k, '(absent)'))} -> {clip(ours.get(k, '(absent)'))}"
-             for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k) and k not in (by_flags or ())]
+    before, after = predicted or ({}, {})
+    by_flags = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
+    moved = [f"{k} {clip(theirs.get(k, ABSENT))} -> {clip(ours.get(k, ABSENT))}"
+             for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k) and k not in by_flags]
+    moved += [f"{k} {clip(ours.get(k, ABSENT))} where its flags give {clip(after.get(k, ABSENT))}"
+              for k in sorted(by_flags) if theirs.get(k, ABSENT) == before.get(k, ABSENT)
+              and ours.get(k, ABSENT) != after.get(k, ABSENT)]
     if not moved:
         return None
-    beside = "" if by_flags is None else (
+    beside = "" if predicted is None else (
         f" beside its flags, which move {', '.join(sorted(by_flags))} only" if by_flags else
         " beside flags that move none of the logged fields")
     return (f"engine arguments moved by code{beside}: {'; '.join(moved[:6])}{' ...' if len(moved) > 6 else ''} (a "
             f"code change serves its parent's engine configuration; a change of engine arguments is proposed as "
             f"flags and judged against the task's levers)")
+
+
+ABSENT = "(absent)"
 
 
 class PredictionError(RuntimeError):
@@ -137,12 +151,17 @@ def predict_config(tree: Path | None, model_dir: Path, flags: list[str], env: di
     raise PredictionError(f"exit {proc.returncode}: {(errors or tail or ['no output'])[-1][:300]}")
 
 
+def predicted_sides(tree: Path | None, before: ServerSpec, after: ServerSpec) -> tuple[dict[str, str], dict[str, str]]:
+    """The logged configuration fields of servers of the `before` and `after` specs (the pool's own, agent/run/pool.py
+    `spec`: the task's dtype, length and variables, the levers' variables), as the trusted `tree`'s vLLM builds them.
+    Raises PredictionError."""
+    return tuple(_predicted(tree, Path(spec.model_dir), tuple(serve_flags(spec)), tuple(sorted(spec.env.items())))
+                 for spec in (before, after))
+
+
 def fields_moved_by_flags(tree: Path | None, before: ServerSpec, after: ServerSpec) -> set[str]:
-    """The logged configuration fields that differ between servers of the `before` and `after` specs (the pool's
-    own, agent/run/pool.py `spec`: the task's dtype, length and variables, the levers' variables), as the trusted
-    `tree`'s vLLM builds them. Raises PredictionError."""
-    sides = [_predicted(tree, Path(spec.model_dir), tuple(serve_flags(spec)), tuple(sorted(spec.env.items())))
-             for spec in (before, after)]
+    """The logged configuration fields that differ between servers of the `before` and `after` specs."""
+    sides = predicted_sides(tree, before, after)
     return {k for k in set(sides[0]) | set(sides[1]) if sides[0].get(k) != sides[1].get(k)}
 
 

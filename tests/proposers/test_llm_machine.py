@@ -278,7 +278,7 @@ def test_the_cpu_profile_runs_the_trees_own_vllm_at_the_benchmarks_concurrency(t
     profile = run_profile(profile_request(task, Path("/models/m"), tree, args), timeout_s=300)
     calls = [json.loads(x) for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
     assert calls[1:] == [{"kwargs": {"max_num_seqs": 4, "compilation_config": {"cudagraph_mode": "NONE"}},
-                          "prompts": 3, "max_tokens": 8, "input_len": 8}] * 2  # the cProfile pass, the torch pass
+                          "prompts": 3, "max_tokens": 8, "input_len": 8}] * 3  # unprofiled, cProfile, torch
     assert profile.device == "cpu" and profile.left_out == ["api_server_count"] and profile.prompts == 3
     assert profile.tree == tree_id(tree) and profile.kernels == []
     assert any(f.file == "vllm/model_executor/work.py" and f.name == "forward" and f.calls == 8
@@ -288,6 +288,7 @@ def test_the_cpu_profile_runs_the_trees_own_vllm_at_the_benchmarks_concurrency(t
     assert "offline engine of git tree" in text and "on cpu: 3 requests at once" in text
     assert "Left out of the offline engine (server options, not engine arguments): api_server_count." in text
     assert "torch ops by self CPU time" in text and "GPU kernels" not in text
+    assert profile.plain_s > 0 and f"The same wave unprofiled: {profile.plain_s:.2f}s" in text
 
 
 def profiled_events(rows: list[tuple[str, float, float, str]]):

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from agent.replay.chain import audit
-from agent.stages.engine_config import config_fields, fields_moved_by_flags, moved_by_code, predict_config, serve_flags
+from agent.stages.engine_config import (config_fields, fields_moved_by_flags, moved_by_code, predict_config,
+                                        predicted_sides, serve_flags)
 from tests.stand_in import decisions, mode, new_file_patch, stopped_once
 from traces import read_trace
 
@@ -62,7 +63,8 @@ def test_the_scheduling_limits_the_recorder_prints_are_fields_a_code_change_may_
     overlap = LIMITS.replace("async_scheduling=False", "async_scheduling=True")
     assert "async_scheduling False -> True" in moved_by_code(LOGGED + LIMITS, LOGGED + overlap)
     assert "max_num_seqs 4 -> (absent)" in moved_by_code(LOGGED + LIMITS, LOGGED)
-    assert moved_by_code(LOGGED + LIMITS, LOGGED + more, {"max_num_scheduled_tokens"}) is None  # a flag moved it
+    flag_moved = (config_fields(LOGGED + LIMITS), config_fields(LOGGED + more))  # as the trusted tree predicts
+    assert moved_by_code(LOGGED + LIMITS, LOGGED + more, flag_moved) is None  # a flag moved it
 
 
 def test_the_recorder_prints_the_limits_of_the_engine_core_it_finds_built(tmp_path):
@@ -118,15 +120,35 @@ def test_beside_flags_only_the_fields_the_flags_move_may_differ():
     the adversary's flags move no logged field (max_num_seqs is not in the line) while its code turns prefix caching
     off, or its flags move one field and its code another."""
     off = LOGGED.replace("enable_prefix_caching=True", "enable_prefix_caching=False")
-    assert moved_by_code(LOGGED, off, {"enable_prefix_caching"}) is None
-    why = moved_by_code(LOGGED, off, set())
+    prefix_off = (config_fields(LOGGED), config_fields(off))
+    assert moved_by_code(LOGGED, off, prefix_off) is None
+    why = moved_by_code(LOGGED, off, (config_fields(LOGGED), config_fields(LOGGED)))
     assert why.startswith("engine arguments moved by code beside flags that move none of the logged fields: "
                           "enable_prefix_caching True -> False"), why
     both = off.replace("seed=0,", "seed=1,")
-    why = moved_by_code(LOGGED, both, {"enable_prefix_caching"})
+    why = moved_by_code(LOGGED, both, prefix_off)
     assert why.startswith("engine arguments moved by code beside its flags, which move enable_prefix_caching only: "
                           "seed 0 -> 1"), why
     assert "enable_prefix_caching True" not in why
+
+
+def test_a_field_the_flags_move_must_take_the_value_the_flags_give():
+    """The adversary's flags lower the step's token limit (1024) and its code raises it past the incumbent's (4096):
+    the field is the flags' to move, but not to that value. The honest candidate serves the predicted 1024. Where the
+    engine rewrites a field at start beyond what its arguments say (the incumbent's own server logs another value
+    than predicted for it), the value cannot be held to the prediction: the field is left to the flags."""
+    base = LOGGED + LIMITS
+    flagged = LOGGED + LIMITS.replace("max_num_scheduled_tokens=2048", "max_num_scheduled_tokens=1024")
+    predicted = (config_fields(base), config_fields(flagged))
+    assert moved_by_code(base, flagged, predicted) is None
+    raised = LOGGED + LIMITS.replace("max_num_scheduled_tokens=2048", "max_num_scheduled_tokens=4096")
+    why = moved_by_code(base, raised, predicted)
+    assert why.startswith("engine arguments moved by code beside its flags, which move max_num_scheduled_tokens "
+                          "only: max_num_scheduled_tokens 4096 where its flags give 1024"), why
+    hidden = LOGGED + LIMITS.replace("max_num_scheduled_tokens=2048, ", "")
+    assert "max_num_scheduled_tokens (absent) where its flags give 1024" in moved_by_code(base, hidden, predicted)
+    rewritten = LOGGED + LIMITS.replace("max_num_scheduled_tokens=2048", "max_num_scheduled_tokens=2000")
+    assert moved_by_code(rewritten, raised, predicted) is None  # the incumbent is not as predicted: not checked
 
 
 def pool_specs(tmp_path, model, *arg_sets):
@@ -175,6 +197,9 @@ def test_the_installed_vllm_predicts_the_fields_a_flag_moves_without_starting_an
     [tokens] = pool_specs(tmp_path, model, {**base, "max_num_batched_tokens": 1024})
     # a step's token limit: the scheduler's, and the compile ranges that end at it
     assert fields_moved_by_flags(None, baseline, tokens) == {"max_num_scheduled_tokens", "compilation_config"}
+    before, after = predicted_sides(None, baseline, tokens)
+    assert (before["max_num_scheduled_tokens"], after["max_num_scheduled_tokens"]) == ("2048", "1024")
+    assert "'compile_ranges_endpoints': [1024]" in after["compilation_config"]  # the values a server must log
 
 
 @pytest.mark.slow
