@@ -96,7 +96,8 @@ def gemma4_adversary() -> list[dict[str, Any]]:
     ]
 
 
-EXACT_OVERHEADS = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu-code-patches" / "05-cpu-exact-overheads.patch"
+EXACT_OVERHEADS = (Path(__file__).resolve().parents[1] / "benchmarks" / "cpu-code-patches" /
+                   "07-cpu-exact-overheads-sample-in-execute.patch")
 
 
 def hunks_as_edits(patch: str, leave_out: str = "") -> list[dict[str, Any]]:
@@ -138,16 +139,18 @@ def hunks_as_edits(patch: str, leave_out: str = "") -> list[dict[str, Any]]:
 
 def gemma4_exact_expert(source: str) -> list[dict[str, Any]]:
     """The real vLLM CPU tree: explore as gemma4_expert does, propose its identity edit (the harness names the
-    mistake), then a change worth keeping, exact for any weights: benchmarks/cpu-code-patches/05's overhead cuts of
-    eager CPU decode (RMSNorm as one composite op, Gemma 4's q/k/v norms in one pass, the CPU GEMM called directly,
-    GeGLU's and the per-layer inputs' products in place), with the layer scalar's product taken in place instead of
-    05's skip of a unit scalar (no branch on what the weights happen to be). Four files in one proposal."""
+    mistake), then a change worth keeping, exact for any weights: benchmarks/cpu-code-patches/07, eager CPU decode's
+    Python overheads cut op for op (06's: RMSNorm as one composite op, Gemma 4's q/k/v norms in one pass, the CPU
+    GEMM called directly, products in place, the layer scalar's included, with no branch on what the weights happen
+    to be; then the decoder layers' submodules called directly, the oneDNN GEMM's lookups bound once, eager CPU
+    attention without the dispatcher, the KV cache's views made once per cache), and the worker sampling in the
+    execute_model call when no request needs a grammar (one round trip to the engine core fewer a step). Eight files
+    in one proposal, each hunk of the patch one SEARCH/REPLACE edit."""
     explore = gemma4_expert(source)[:4]
-    edits = hunks_as_edits(EXACT_OVERHEADS.read_text(), leave_out="_unit_layer_scalar")
-    edits.append({"path": GEMMA4, "search": SCALED, "replace": IN_PLACE_SCALAR})
-    hypothesis = ("eager CPU decode at batch 4 is per-op overhead, not arithmetic (the profile: 58 RMSNorms a step, "
-                  "each 8-9 ATen ops behind three dispatch layers); the same float32 arithmetic in fewer ops "
-                  "(F.rms_norm's composite, one pass over the q/k/v heads, products written in place) gives the "
-                  "same values for any weights and cuts a third of the step's ops")
+    edits = hunks_as_edits(EXACT_OVERHEADS.read_text())
+    hypothesis = ("eager CPU decode at batch 4 is Python overhead, not arithmetic (the served profile: the forward is "
+                  "59% of the worker's time, most of it module calls, dispatch and 58 RMSNorms of 8-9 ATen ops a "
+                  "step; a fifth waiting on a second round trip to the engine core for sampling); the same float32 "
+                  "ops in the same order, called directly, give the same values for any weights and cut the step")
     return explore + [turn(call("propose", summary="exact overhead cuts of eager CPU decode in Gemma 4",
                                 hypothesis=hypothesis, plan="a new hot spot", edits=edits))]

@@ -2,9 +2,10 @@
 OpenAI-compatible server drive the real loop on the CPU task (real servers, parity, benchmark, audit, git).
 
 The expert explores the real tree (list, grep, read), proposes an identity edit, reads the harness's answer and
-proposes a change worth keeping: exact overhead cuts of eager CPU decode in four files (RMSNorm, the q/k/v norms,
-the CPU GEMM, GeGLU, Gemma 4's decoder layer), exact for any weights. It builds, is imported by the server, passes
-parity and the audit, and is judged on its speedup and interval; `replay` re-derives the run. The adversary's
+proposes a change worth keeping: exact overhead cuts of eager CPU decode in eight files
+(benchmarks/cpu-code-patches/07: about 1.15-1.20x at the task's judge), exact for any weights. It builds, is
+imported by the server, passes parity and the audit, and is kept by the task's own judge (its sequential plan and
+a confirmation on fresh prompts), a commit of code and no flag; `replay` re-derives the run. The adversary's
 change is right alone and wrong in batches: it passes parity (one request at a time) and is rejected at the audit.
 
 The run is also the CPU task end to end in containers (`sandbox.backend: docker`): every server of it is a container
@@ -22,12 +23,16 @@ from fake_openai_server import FakeOpenAI
 from scripted_models import GEMMA4, gemma4_adversary, gemma4_exact_expert, numbered
 from tests.e2e.test_e2e_vllm import ROOT, cli, events
 from agent.run.setup import prepare_run
+from agent.run.workspace import serve_args_at
+from agent.world.serve_args import SERVE_FILE
 from agent.world.task import load_task, with_overrides
 from tests.conftest import SANDBOX_IMAGE
 from traces import read_trace
 
-EDITED = ["vllm/model_executor/layers/activation.py", "vllm/model_executor/layers/layernorm.py",
-          "vllm/model_executor/layers/linear.py", GEMMA4]
+EDITED = ["vllm/model_executor/layers/activation.py", "vllm/model_executor/layers/attention/attention.py",
+          "vllm/model_executor/layers/layernorm.py", "vllm/model_executor/layers/linear.py",
+          "vllm/model_executor/layers/utils.py", GEMMA4, "vllm/v1/attention/backends/cpu_attn.py",
+          "vllm/v1/worker/cpu_worker.py"]
 
 pytestmark = [pytest.mark.vllm, pytest.mark.docker, pytest.mark.timeout(3000)]
 
@@ -40,12 +45,12 @@ def scripted_run(tmp_path_factory, vllm_checkout, engine):
         # No A/A before the first candidate here: tests/run/test_noise_floor.py runs it on this task. The audit runs
         # with the task's own rule (its honest noise on an AMX CPU is the control's too)
         task = with_overrides(task, target={"checkout": str(vllm_checkout)}, budget={"max_candidates": 2},
-                              # 5 pairs of 16 prompts, not the task's 8-40 of 32. The expert's change is worth about
-                              # 3-6% here: this run at the task's judge, in containers on a quiet 2-core machine,
-                              # measured it at 1.055x [1.027, 1.085] (32 pairs), then 1.032x [1.004, 1.061] on fresh
-                              # prompts, so it was not kept. Whether it is kept is not what this test can check within
-                              # the suite's time (benchmarks/results/cpu-judge.md); that it is judged, exact and live is
-                              benchmark={"noise_floor": False, "max_repetitions": None, "repetitions": 5},
+                              # The task's rule (pairs until the group-sequential test decides, then a
+                              # confirmation on fresh prompts) decides the expert's change, its plan cut to the suite's
+                              # time: looks at 8 and 16 pairs of 16 prompts, not 8-40 of 32. Alone on a quiet machine
+                              # the task's full plan kept it at 1.174x, confirmed at 1.192x [1.059, 1.343], 16 pairs
+                              # each, in 14 minutes with the adversary below (benchmarks/cpu-code-patches/README.md)
+                              benchmark={"noise_floor": False, "max_repetitions": 16},
                               workload={"num_prompts": 16},
                               parity={"num_prompts": 8},  # the task's 64 are tested in tests/run/test_loop_judgement.py
                               proposer={"kind": "llm", "base_url": server.base_url, "model": "scripted-expert",
@@ -59,7 +64,7 @@ def scripted_run(tmp_path_factory, vllm_checkout, engine):
     return setup, finished, read_trace(setup.run_dir / "trace.jsonl"), backend
 
 
-def test_the_scripted_expert_fixes_its_mistake_and_its_exact_code_change_is_judged(scripted_run):
+def test_the_scripted_expert_fixes_its_mistake_and_its_exact_code_change_is_kept(scripted_run):
     setup, finished, records, _ = scripted_run
     calls = [e for e in events(records, "tool_call") if e.candidate == 1]
     assert [c.name for c in calls] == ["list_dir", "grep", "read_file", "propose", "propose"]
@@ -68,13 +73,16 @@ def test_the_scripted_expert_fixes_its_mistake_and_its_exact_code_change_is_judg
     decision = next(d for d in events(records, "decision") if d.candidate == 1)
     assert decision.stage == "decision" and decision.speedup is not None, decision.reason
     bench = next(b for b in events(records, "benchmark") if b.candidate == 1)
-    assert set(bench.liveness.imported_patched) == set(EDITED)  # the server ran the four edited modules
+    assert set(bench.liveness.imported_patched) == set(EDITED)  # the server ran the eight edited modules
     parity = next(p for p in events(records, "parity") if p.candidate == 1)
     audits = [a for a in events(records, "audit") if a.candidate == 1]
     assert parity.ok and audits and all(a.violation_count == 0 for a in audits)
-    if decision.verdict == "keep":  # a keep is a commit of the four files, no flag
-        commit = next(c for c in events(records, "commit") if c.candidate == 1)
-        assert set(setup.repo.commit(commit.commit).stats.files) == set(EDITED)
+    assert decision.verdict == "keep", decision.reason  # the mission: an exact code change kept
+    commit = next(c for c in events(records, "commit") if c.candidate == 1)
+    assert set(setup.repo.commit(commit.commit).stats.files) == {*EDITED, SERVE_FILE}
+    assert serve_args_at(setup.repo, commit.commit) == dict(setup.task.engine.args)  # code, and no flag
+    applied = next(p for p in events(records, "patch_applied") if p.candidate == 1)
+    assert applied.engine_args == dict(setup.task.engine.args) and set(applied.files) == set(EDITED)
     replay = cli("replay", setup.run_dir.name, "--runs-dir", str(setup.run_dir.parent))
     assert replay.returncode == 0 and "audit ok" in replay.stdout, replay.stdout + replay.stderr
     entry = next(e for e in events(records, "notebook") if e.candidate == 1)
