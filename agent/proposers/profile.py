@@ -4,9 +4,9 @@ One offline vLLM engine, in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), import
 PYTHONPATH, as its servers have it), with the incumbent's engine args (those that are vLLM engine arguments: a server
 option such as `api_server_count` is left out, and named), generates one wave of the benchmark: `workload.concurrency`
 requests (every prompt where the task sets no concurrency) of the workload's input and output lengths. It does so
-three times: unprofiled (the wave's own time, and a warm engine for the rest), under cProfile (vLLM's Python
-functions by self and cumulative time: what the proposer can edit), and under torch.profiler: on a GPU with its CUDA
-activity, for the kernel table (each kernel's device time and share of it); on the CPU for the CPU op table. It
+four times: unprofiled to warm every batch shape, under cProfile (vLLM's Python functions by self and cumulative
+time: what the proposer can edit), under torch.profiler (on a GPU with its CUDA activity, for the kernel table: each
+kernel's device time and share of it; on the CPU for the CPU op table), and unprofiled again, timed. It
 runs in a child process with a timeout, and is cached as JSON under the nightshift cache, keyed by everything that
 decides it: the tree's content (its git tree and uncommitted diff), the engine args and environment, the model, the
 workload and the GPUs.
@@ -34,6 +34,8 @@ from traces.errors import NightshiftError
 FUNCTIONS = 30
 """Rows kept of each table."""
 MARKER = "NIGHTSHIFT_PROFILE "
+METHOD = 2
+"""How the profile is taken, in its cache key: 2 times the unprofiled wave last, on a warm engine."""
 SKIP = {"generate", "_run_engine", "step", "__call__", "_call_impl", "_wrapped_call_impl", "decorate_context"}
 """Wrappers left out of the cumulative table: every function is under them."""
 
@@ -74,7 +76,7 @@ class Profile(BaseModel):
     seconds: float = 0.0
     """The wave under cProfile."""
     plain_s: float = 0.0
-    """The same wave unprofiled (run first, so the profiled waves find the engine warm): what the profilers add."""
+    """The same wave unprofiled, on the warm engine after the profiled ones: what the profilers add."""
     prompts: int = 0
     output_tokens: int = 0
     functions: list[HotFunction] = Field(default_factory=list)
@@ -162,6 +164,7 @@ def profile_request(task, model_path: Path, tree: Path | None, args: dict[str, A
     engine_args, lever_env = nest_serve_args(args)
     workload = task.workload
     return {
+        "method": METHOD,
         "vllm_version": version,
         "tree": str(tree) if tree is not None else None,
         "tree_id": tree_id(tree) if tree is not None else f"installed vLLM {version}",
@@ -302,11 +305,7 @@ def _child(request: dict[str, Any]) -> Profile:
                for _ in range(request["num_prompts"])]
     params = SamplingParams(temperature=0.0, max_tokens=request["output_len"], ignore_eos=True)
     llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
-    started = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)  # the wave unprofiled, which also warms every batch shape
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    plain_s = time.perf_counter() - started
+    llm.generate(prompts, params, use_tqdm=False)  # every batch shape of the wave (its first is slower, below)
 
     profiler = cProfile.Profile()
     started = time.perf_counter()
@@ -324,6 +323,11 @@ def _child(request: dict[str, Any]) -> Profile:
         if gpu:
             torch.cuda.synchronize()
     profiled_ms = (time.perf_counter() - started) * 1000
+    started = time.perf_counter()  # the same wave unprofiled, last: an H100's first wave of 256 took 4.96 s, a
+    llm.generate(prompts, params, use_tqdm=False)  # later one under torch.profiler 4.00 s (gpu-profile-e2b.md)
+    if gpu:
+        torch.cuda.synchronize()
+    plain_s = time.perf_counter() - started
     averages = prof.key_averages()
     kernels, device_ms = kernel_table(averages) if gpu else ([], 0.0)
     return Profile(source=f"vLLM {request['vllm_version']} offline engine of {request['tree_id']}, engine args "

@@ -278,7 +278,7 @@ def test_the_cpu_profile_runs_the_trees_own_vllm_at_the_benchmarks_concurrency(t
     profile = run_profile(profile_request(task, Path("/models/m"), tree, args), timeout_s=300)
     calls = [json.loads(x) for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
     assert calls[1:] == [{"kwargs": {"max_num_seqs": 4, "compilation_config": {"cudagraph_mode": "NONE"}},
-                          "prompts": 3, "max_tokens": 8, "input_len": 8}] * 3  # unprofiled, cProfile, torch
+                          "prompts": 3, "max_tokens": 8, "input_len": 8}] * 4  # warm, cProfile, torch, timed
     assert profile.device == "cpu" and profile.left_out == ["api_server_count"] and profile.prompts == 3
     assert profile.tree == tree_id(tree) and profile.kernels == []
     assert any(f.file == "vllm/model_executor/work.py" and f.name == "forward" and f.calls == 8
