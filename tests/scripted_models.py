@@ -100,18 +100,15 @@ EXACT_OVERHEADS = (Path(__file__).resolve().parents[1] / "benchmarks" / "cpu-cod
                    "07-cpu-exact-overheads-sample-in-execute.patch")
 
 
-def hunks_as_edits(patch: str, leave_out: str = "") -> list[dict[str, Any]]:
+def hunks_as_edits(patch: str) -> list[dict[str, Any]]:
     """A unified diff's hunks as the propose tool's SEARCH/REPLACE edits, the way a model sends a multi-file change:
-    each hunk's old lines (context and removed) are the search, its new lines (context and added) the replacement.
-    A hunk whose text contains `leave_out` is left out."""
+    each hunk's old lines (context and removed) are the search, its new lines (context and added) the replacement."""
     edits: list[dict[str, Any]] = []
     path, old, new = "", [], []
 
     def close() -> None:
         if old or new:
-            hunk = {"path": path, "search": "".join(old), "replace": "".join(new)}
-            if not leave_out or leave_out not in hunk["search"] + hunk["replace"]:
-                edits.append(hunk)
+            edits.append({"path": path, "search": "".join(old), "replace": "".join(new)})
         old.clear()
         new.clear()
 

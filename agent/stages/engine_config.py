@@ -47,6 +47,7 @@ LIMITS_LINE = re.compile(re.escape(LIMITS) + r"(.*)$", re.M)
 """The scheduling limits the engine core runs with, which vLLM logs nowhere: the sandbox's recorder prints them from
 the engine core's own scheduler once it is built (sandbox/recorder/sitecustomize.py), as `key=value` pairs."""
 PAIRS = {"(": ")", "[": "]", "{": "}"}
+ABSENT = "(absent)"
 
 
 def config_fields(log: str) -> dict[str, str] | None:
@@ -95,9 +96,9 @@ def moved_by_code(incumbent_log: str, candidate_log: str,
                 "reports it once: 'Initializing a V1 LLM engine ... with config:'): engine arguments it may have "
                 "moved by code cannot be checked")
     before, after = predicted or ({}, {})
-    by_flags = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
+    by_flags = differing(before, after)
     moved = [f"{k} {clip(theirs.get(k, ABSENT))} -> {clip(ours.get(k, ABSENT))}"
-             for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k) and k not in by_flags]
+             for k in sorted(differing(theirs, ours) - by_flags)]
     moved += [f"{k} {clip(ours.get(k, ABSENT))} where its flags give {clip(after.get(k, ABSENT))}"
               for k in sorted(by_flags) if theirs.get(k, ABSENT) == before.get(k, ABSENT)
               and ours.get(k, ABSENT) != after.get(k, ABSENT)]
@@ -109,9 +110,6 @@ def moved_by_code(incumbent_log: str, candidate_log: str,
     return (f"engine arguments moved by code{beside}: {'; '.join(moved[:6])}{' ...' if len(moved) > 6 else ''} (a "
             f"code change serves its parent's engine configuration; a change of engine arguments is proposed as "
             f"flags and judged against the task's levers)")
-
-
-ABSENT = "(absent)"
 
 
 class PredictionError(RuntimeError):
@@ -159,10 +157,9 @@ def predicted_sides(tree: Path | None, before: ServerSpec, after: ServerSpec) ->
                  for spec in (before, after))
 
 
-def fields_moved_by_flags(tree: Path | None, before: ServerSpec, after: ServerSpec) -> set[str]:
-    """The logged configuration fields that differ between servers of the `before` and `after` specs."""
-    sides = predicted_sides(tree, before, after)
-    return {k for k in set(sides[0]) | set(sides[1]) if sides[0].get(k) != sides[1].get(k)}
+def differing(before: dict[str, str], after: dict[str, str]) -> set[str]:
+    """The fields whose values differ between two configurations (a field one lacks differs)."""
+    return {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
 
 
 @functools.lru_cache(maxsize=32)

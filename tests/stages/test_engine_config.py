@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from agent.replay.chain import audit
-from agent.stages.engine_config import (config_fields, fields_moved_by_flags, moved_by_code, predict_config,
-                                        predicted_sides, serve_flags)
+from agent.stages.engine_config import (config_fields, differing, moved_by_code, predict_config, predicted_sides,
+                                        serve_flags)
 from tests.stand_in import decisions, mode, new_file_patch, stopped_once
 from traces import read_trace
 
@@ -192,11 +192,11 @@ def test_the_installed_vllm_predicts_the_fields_a_flag_moves_without_starting_an
                 "kv_cache_dtype", "device_config"):
         assert predicted[key] == logged[key], key
     assert (predicted["max_num_seqs"], predicted["async_scheduling"]) == ("4", "False")  # the recorder's fields
-    assert fields_moved_by_flags(None, baseline, no_prefix) == {"enable_prefix_caching"}
-    assert fields_moved_by_flags(None, baseline, more) == {"max_num_seqs", "max_num_active_seqs"}
+    assert differing(*predicted_sides(None, baseline, no_prefix)) == {"enable_prefix_caching"}
+    assert differing(*predicted_sides(None, baseline, more)) == {"max_num_seqs", "max_num_active_seqs"}
     [tokens] = pool_specs(tmp_path, model, {**base, "max_num_batched_tokens": 1024})
     # a step's token limit: the scheduler's, and the compile ranges that end at it
-    assert fields_moved_by_flags(None, baseline, tokens) == {"max_num_scheduled_tokens", "compilation_config"}
+    assert differing(*predicted_sides(None, baseline, tokens)) == {"max_num_scheduled_tokens", "compilation_config"}
     before, after = predicted_sides(None, baseline, tokens)
     assert (before["max_num_scheduled_tokens"], after["max_num_scheduled_tokens"]) == ("2048", "1024")
     assert "'compile_ranges_endpoints': [1024]" in after["compilation_config"]  # the values a server must log
