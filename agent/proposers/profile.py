@@ -128,6 +128,8 @@ class Profile(BaseModel):
         if self.kernels:
             busy = f" of {self.profiled_ms:.0f} ms wall ({self.device_ms / self.profiled_ms:.0%} busy)" \
                 if self.profiled_ms else ""
+            if self.plain_s:  # the profiler stretches the wall, not the kernels: the unprofiled wave is the real share
+                busy += f"; {self.device_ms / (self.plain_s * 1000):.0%} of the unprofiled wave's wall"
             lines.append(f"GPU kernels by device time ({self.device_ms:.1f} ms in all{busy}; kernel  calls  ms  share):")
             lines += [f"  {k.name}  {k.calls}  {k.total_ms:.2f}  {k.share:.1%}" for k in self.kernels[:max_rows]]
         if self.ops:

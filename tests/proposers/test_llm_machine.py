@@ -330,6 +330,10 @@ def test_the_gpu_kernel_table_agrees_with_the_torch_profilers_own():
     text = Profile(source="s", device="NVIDIA H200", kernels=kernels, device_ms=device_ms, profiled_ms=2.0).summary()
     assert "GPU kernels by device time (1.0 ms in all of 2 ms wall (49% busy); kernel  calls  ms  share):" in text
     assert f"  {gemm}  2  0.78  79.6%" in text
+    # with the wave timed unprofiled too, the kernels' share of that wall (the profiler stretched the other)
+    text = Profile(source="s", device="NVIDIA H200", kernels=kernels, device_ms=device_ms, profiled_ms=2.0,
+                   plain_s=0.0014).summary()
+    assert "(1.0 ms in all of 2 ms wall (49% busy); 70% of the unprofiled wave's wall; kernel  calls" in text
 
 
 # --------------------------------------------------------------------------------- through the proposer
