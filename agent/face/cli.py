@@ -331,6 +331,7 @@ def noise(task_file: str = typer.Argument(DEFAULT_TASK, help=TASK_HELP),
     check_run(task)
     setup = prepare_run(task, runs_dir, run_id=f"noise-{new_run_id()}")
     console.print(f"noise study [bold]{setup.run_id}[/bold] -> {setup.run_dir}", soft_wrap=True)
+    signal.signal(signal.SIGTERM, _terminate)  # a stopped study writes the benchmarks it has (noise.json, noise.md)
     try:
         data = study(setup, aa, patch, repeat, on_line=console.print, both_ways=both_ways)
     finally:

@@ -28,7 +28,7 @@ from agent.run.setup import RunSetup
 from agent.stages.stats import accepts
 from agent.stages.token_audit import run_audit
 from sandbox import make_sandbox
-from traces.errors import NightshiftError
+from traces.errors import NightshiftError, end_reason
 from traces.schema import RunFinished
 
 
@@ -209,7 +209,7 @@ def study(s: RunSetup, aa: int, patches: list[Path], repeat: int, sandbox=None,
                 proof = liveness.check(servers[2 + i], tree, files)  # an effect never imported is no effect
                 missing[name] = proof.missing
     except BaseException as exc:
-        reason = f"error: {type(exc).__name__}: {exc}"
+        reason = end_reason(exc)  # a signal reads as a stop ("stopped by SIGTERM"), anything else as an error
         raise
     finally:
         s.trace.append(RunFinished(reason=reason, candidates=0, kept=0, best_speedup=1.0,

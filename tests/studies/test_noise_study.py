@@ -73,6 +73,37 @@ def test_a_known_slowdown_both_ways_is_a_known_speedup_the_other_way_round(setup
     assert "slow-4x reversed: mean" in (setup.run_dir / "noise.md").read_text()
 
 
+@pytest.mark.slow
+def test_a_study_stopped_by_sigterm_writes_the_benchmarks_it_has(setup, tmp_path):
+    """A study stopped with SIGTERM (as `nightshift noise` is: the run's own handler) lost every benchmark it had
+    measured, since noise.json was written only at its end: it now writes them and its trace reads as a stop."""
+    import os
+    import signal
+
+    from agent.face.cli import _terminate
+    from traces.log import taken
+
+    lines = []
+
+    def stop_at_the_second(line):
+        lines.append(line)
+        if len(lines) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            study(setup, 4, [], 1, sandbox=FakeSandbox(tmp_path / "servers"), on_line=stop_at_the_second)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    taken(stopped.value)  # the stop is delivered: no later test has it raised again
+    assert stopped.value.code == 128 + signal.SIGTERM and len(lines) == 2
+    data = json.loads((setup.run_dir / "noise.json").read_text())
+    assert [r["label"] for r in data["benchmarks"]] == ["A/A", "A/A"] and data["summary"]["a_a"]["benchmarks"] == 2
+    last = list(read_trace(setup.run_dir / "trace.jsonl"))[-1].event
+    assert last.kind == "run_finished" and last.reason == "stopped by SIGTERM"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--aa", "1"], "at least 2 A/A benchmarks"),
     (["--aa", "2", "--patch", "no-such.patch"], "patch file not found: no-such.patch"),
