@@ -75,8 +75,9 @@ def test_a_known_slowdown_both_ways_is_a_known_speedup_the_other_way_round(setup
 
 @pytest.mark.slow
 def test_a_study_stopped_by_sigterm_writes_the_benchmarks_it_has(setup, tmp_path):
-    """A study stopped with SIGTERM (as `nightshift noise` is: the run's own handler) lost every benchmark it had
-    measured, since noise.json was written only at its end: it now writes them and its trace reads as a stop."""
+    """`nightshift noise` had no SIGTERM handler, so a stopped study died before writing noise.json and lost every
+    benchmark it had measured; it now takes the run's handler (`_terminate`, installed here as the command does):
+    the study writes what it has, and its trace reads as a stop, not an error."""
     import os
     import signal
 
