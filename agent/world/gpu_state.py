@@ -41,8 +41,8 @@ class GpuMonitor:
     """Samples the GPUs every `interval_s` while the pass runs (a context manager)."""
 
     def __init__(self, gpus: list[int], own_pids: set[int] | None = None, interval_s: float = 0.25, nvml=None,
-                 grace_s: float = NEIGHBOUR_GRACE_S):
-        self.gpus, self.own = list(gpus), own_pids
+                 grace_s: float = NEIGHBOUR_GRACE_S, clock=time.monotonic):
+        self.gpus, self.own, self.clock = list(gpus), own_pids, clock
         self.interval_s = interval_s
         self.nvml = (nvml if nvml is not None else load_nvml()) if gpus else None
         self.readings: list[dict] = []
@@ -53,7 +53,7 @@ class GpuMonitor:
         self.grace_s, self._began = grace_s, 0.0
 
     def __enter__(self) -> GpuMonitor:
-        self._began = time.monotonic()
+        self._began = self.clock()
         if self.nvml is not None:
             self._skip_buffered()
             self.read()
@@ -104,7 +104,7 @@ class GpuMonitor:
             samples = self.nvml.nvmlDeviceGetProcessUtilization(handle, self._seen)
         except Exception:  # NVML answers "not found" when no process sampled since `_seen`
             return
-        early = time.monotonic() - self._began < self.grace_s
+        early = self.clock() - self._began < self.grace_s
         for s in samples:
             self._seen = max(self._seen, s.timeStamp)
             if not early and s.pid not in self.own and s.pid != os.getpid():

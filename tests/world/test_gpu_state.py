@@ -64,13 +64,17 @@ def test_a_neighbour_busy_only_before_the_pass_is_not_counted():
 
 def test_a_neighbours_first_samples_in_a_pass_are_not_counted():
     """A sample still averages over time before the pass: on the H200 a neighbour idle through a pass, busy
-    until it began, read 42-71% in the pass's first second (gpu/nvml_neighbour_probe.py)."""
-    nvml = FakeNvml(neighbour_util=70)
-    with GpuMonitor([0], own_pids={os.getpid()}, interval_s=0.01, nvml=nvml, grace_s=0.1) as monitor:
-        time.sleep(0.05)
-        nvml.neighbour_util = 3
-        time.sleep(0.15)
-    assert monitor.summary().neighbour_utilization_max == 3.0
+    until it began, read 42-71% in the pass's first second (gpu/nvml_neighbour_probe.py). The pass's clock is the
+    test's, and the sampler's own thread never wakes, so a loaded machine cannot move a reading past the grace."""
+    nvml, now = FakeNvml(neighbour_util=70), [0.0]
+    with GpuMonitor([0], own_pids={os.getpid()}, interval_s=3600, nvml=nvml, grace_s=0.1,
+                    clock=lambda: now[0]) as monitor:
+        now[0] = 0.05
+        monitor.read()  # inside the grace: the neighbour's 70% is not counted
+        assert monitor.neighbour is None
+        nvml.neighbour_util, now[0] = 3, 0.2
+        monitor.read()
+    assert monitor.summary().readings == 4 and monitor.summary().neighbour_utilization_max == 3.0
 
 
 def test_a_quiet_gpu_is_not_flagged_and_unknown_server_processes_skip_the_neighbour_check():
