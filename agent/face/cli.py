@@ -316,7 +316,6 @@ def noise(task_file: str = typer.Argument(DEFAULT_TASK, help=TASK_HELP),
           runs_dir: Path = typer.Option(Path("runs"), help="where the study's folder is written")):
     """What this machine's benchmark can see: false accepts and the minimum detectable effect from repeated
     A/As, and how often a known effect is detected; servers start once (runs/<id>/noise.json, noise.md)."""
-    from agent.studies.noise_study import study
     from agent.run.preflight import check_run
     from agent.run.setup import new_run_id, prepare_run
 
@@ -330,10 +329,17 @@ def noise(task_file: str = typer.Argument(DEFAULT_TASK, help=TASK_HELP),
     task = with_settings(load_task(task_file), settings)
     check_run(task)
     setup = prepare_run(task, runs_dir, run_id=f"noise-{new_run_id()}")
+    return noise_study(setup, aa, patch, repeat, both_ways)
+
+
+def noise_study(setup, aa: int, patches: list[Path], repeat: int, both_ways: bool, sandbox=None) -> dict:
+    """The `noise` command once its run is prepared (tests/resume_driver.py runs it on fake servers)."""
+    from agent.studies.noise_study import study
+
     console.print(f"noise study [bold]{setup.run_id}[/bold] -> {setup.run_dir}", soft_wrap=True)
     signal.signal(signal.SIGTERM, _terminate)  # a stopped study writes the benchmarks it has (noise.json, noise.md)
     try:
-        data = study(setup, aa, patch, repeat, on_line=console.print, both_ways=both_ways)
+        data = study(setup, aa, patches, repeat, sandbox=sandbox, on_line=console.print, both_ways=both_ways)
     finally:
         setup.release_worktrees()
     console.print((setup.run_dir / "noise.md").read_text(), soft_wrap=True, markup=False)

@@ -105,6 +105,47 @@ def test_a_study_stopped_by_sigterm_writes_the_benchmarks_it_has(setup, tmp_path
     assert last.kind == "run_finished" and last.reason == "stopped by SIGTERM"
 
 
+@pytest.mark.slow
+def test_the_noise_command_stopped_by_sigterm_writes_what_it_has_and_stops_its_servers(fake_checkout, fake_model,
+                                                                                        tmp_path):
+    """The command in its own process (its code path after the options, on fake servers: tests/resume_driver.py),
+    stopped as a user's shell or a spot host stops it: SIGTERM after the first A/A. It exits 143, noise.json holds
+    the A/As it measured, the trace ends as a stop, and no server is left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.stand_in import ROOT
+
+    (tmp_path / "patches").mkdir()
+    (tmp_path / "patches" / "dead-code.patch").write_text(new_file_patch("vllm/never_imported.py", "X = 1\n",
+                                                                         "a module no server imports"))
+    task = fake_task(fake_checkout, fake_model, tmp_path / "patches",
+                     benchmark={"warmup_requests": 2, "repetitions": 4, "request_timeout_s": 10,
+                                "max_client_busy": 1.0},
+                     acceptance={"min_speedup": 1.3, "confidence": 0.95, "confirmations": 0})
+    (tmp_path / "task.json").write_text(task.model_dump_json())
+    runs = tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, "-m", "tests.resume_driver", "noise", str(tmp_path / "task.json"),
+                             str(runs), "noise-termed", "6"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not [t for t in runs.glob("noise-*/trace.jsonl") if b'"kind":"noise_floor"' in t.read_bytes()]:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    [run_dir] = runs.glob("noise-*")
+    data = json.loads((run_dir / "noise.json").read_text())
+    assert 1 <= len(data["benchmarks"]) < 6 and {r["label"] for r in data["benchmarks"]} == {"A/A"}
+    last = list(read_trace(run_dir / "trace.jsonl"))[-1].event
+    assert last.kind == "run_finished" and last.reason == "stopped by SIGTERM"
+    assert not list(run_dir.glob("servers/*/pid"))  # it stopped its own servers
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--aa", "1"], "at least 2 A/A benchmarks"),
     (["--aa", "2", "--patch", "no-such.patch"], "patch file not found: no-such.patch"),
