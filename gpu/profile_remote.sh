@@ -3,7 +3,8 @@
 # under torch.profiler with its CUDA activity) on the GPU machine, from the offline vLLM payload
 # (../shared/gpu/build-payload.sh -> .payload/p1..pN) and the harness's wheels (gpu/fetch-wheels.sh -> .whl).
 # Calls back to back (a machine is given back about 30 s after a call; /tmp survives between calls while it is warm):
-#   stage PART     with .payload/PART in the tree (and .whl with the first part): copied to /tmp/pl, wheels to /tmp/nsdeps
+#   stage PART     with .payload/PART in the tree: copied to /tmp/pl; the wheels carried under .whl (any folder within
+#                  it, so that they can be spread over the parts' calls: each call carries at most 64 MiB) to /tmp/nsdeps
 #   profile [S]    install the payload, copy this tree to /tmp/ns/repo, start the profile detached, then poll S s
 #   poll S         wait up to S s for the profile; its log, summary and cached JSON to $RESULTS (default /tmp/ns/results)
 set -u
@@ -18,9 +19,13 @@ env_setup() {
 case "${1:-}" in
   stage)
     mkdir -p /tmp/pl $NS && cp -r ".payload/$2" /tmp/pl/
-    if [ -d .whl ]; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/nsdeps .whl/*.whl
+    wheels=$(find .whl -name '*.whl' 2>/dev/null)
+    if [ -n "$wheels" ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/nsdeps $wheels
     fi
+    for m in numpy scipy plotly sqlalchemy optuna git typer; do
+      PYTHONPATH=/tmp/nsdeps python3 -c "import $m" 2>/dev/null && echo "importable: $m" || echo "missing: $m"
+    done
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader ;;
   profile)
     began=$SECONDS
