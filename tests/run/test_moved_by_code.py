@@ -1,8 +1,9 @@
 """Engine arguments moved by code (issue: the candidate that cannot cheat, item 4). A change inside the edit surface
 can make the scheduler hold more sequences than the max_num_seqs its serving flags declare: a flags change in
 disguise, outside edit_surface.engine_args. The harness's client sees how many requests stream at once in every pass
-(Sample.decoding_at_once); a candidate that streams more than its declared max_num_seqs, where the incumbent kept to its
-own, is rejected at `benchmark` (agent/stages/stats.py moved_by_code), and replay re-derives it."""
+(Sample.decoding_at_once); a candidate that streams more than its declared max_num_seqs in more passes than the incumbent
+does (by a tenth of its passes) is rejected at `benchmark` (agent/stages/stats.py moved_by_code), and replay re-derives
+it."""
 import pytest
 
 from agent.replay.chain import audit
@@ -25,7 +26,7 @@ def test_the_rule_reads_both_sides_and_only_what_they_declare():
         in moved_by_code(moved)
     # a flags change declares its own max_num_seqs: judged as flags (edit_surface.engine_args), not here
     assert moved_by_code([sample("incumbent", 4, 5), sample("candidate", 32, 32)]) is None
-    # an incumbent that does not keep to its own (a stand-in server ignores the flag): nothing to compare with
+    # two sides that both ignore it (stand-in servers): over alike, nothing moved by the candidate's code
     assert moved_by_code([sample("incumbent", 4, 16)] * 2 + [sample("candidate", 4, 16)] * 2) is None
     # passes that do not say (older traces, a server started without max_num_seqs): nothing to judge
     assert moved_by_code([sample("incumbent", None, 5), sample("candidate", None, 16)]) is None
@@ -67,6 +68,25 @@ def test_passes_delivered_in_bursts_beside_a_busy_machine_are_not_a_moved_argume
     # older traces without a TPOT: every pass over the bound counts, as before
     assert "in 4 of its 40 passes" in moved_by_code(
         [sample("incumbent", 4, 4)] * 40 + [sample("candidate", 4, 4)] * 36 + [sample("candidate", 4, 30)] * 4)
+
+
+def test_passes_read_over_on_both_sides_count_beyond_the_incumbents():
+    """Beside the test suite (2026-12-06, 22:01-) the client read honest passes over the bound, paced, on both sides
+    of A/A-like benchmarks: 5 of the candidate's 40 against 2 of the incumbent's, and 4 of 32 against 3. The rule
+    counted each side apart (the candidate's 4 or more, the incumbent's under 4) and rejected both. Counted beyond the
+    incumbent's they are not a moved argument. The adversaries: a candidate over in every pass beside an incumbent
+    read over in a tenth of its passes (let through before: the incumbent 'did not keep to its own'), and one over
+    in a tenth of its passes beside an incumbent read over in none."""
+    def side(role, n, over, seen=20):
+        return [sample(role, 4, 4, 9.0)] * (n - over) + [sample(role, 4, seen, 9.0)] * over
+
+    assert moved_by_code(side("incumbent", 40, 2, 13) + side("candidate", 40, 5)) is None
+    assert moved_by_code(side("incumbent", 32, 3, 23) + side("candidate", 32, 4, 24)) is None
+    lagged = side("incumbent", 40, 4, 13)
+    assert "in 40 of its 40 passes" in moved_by_code(lagged + side("candidate", 40, 40, 16))
+    assert "in 8 of its 40 passes" in moved_by_code(lagged + side("candidate", 40, 8, 16))
+    assert moved_by_code(lagged + side("candidate", 40, 7, 16)) is None  # 3 beyond the incumbent's: under a tenth
+    assert "in 4 of its 40 passes" in moved_by_code(side("incumbent", 40, 0) + side("candidate", 40, 4, 16))
 
 
 @pytest.fixture(scope="module")

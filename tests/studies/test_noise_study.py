@@ -157,6 +157,29 @@ def test_bad_study_options_are_one_clear_line(argv, message, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
+def test_a_benchmark_not_counted_keeps_the_samples_the_rule_read(fake_model, tmp_path):
+    """Beside the test suite an A/A was found 'moved by code' (5 of the candidate's 40 passes over max_num_seqs 4,
+    2 of the incumbent's) and the study wrote only the reason: what the passes read could not be looked at. A
+    benchmark not counted now keeps its samples, here a server that holds 16 sequences whatever max_num_seqs says."""
+    from tests.stand_in import stand_in_checkout
+
+    checkout = stand_in_checkout(tmp_path / "seated", {"vllm/fake_mode.json": mode("exact", 0.01, max_seqs=4)})
+    (tmp_path / "moved.patch").write_text(new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.01, max_seqs=16),
+                                                         "hold 16 sequences whatever max_num_seqs says"))
+    task = fake_task(checkout, fake_model, tmp_path, workload={"num_prompts": 16, "input_len": 16, "output_len": 32},
+                     benchmark={"warmup_requests": 2, "repetitions": 4, "request_timeout_s": 10,
+                                "max_client_busy": 1.0},
+                     acceptance={"min_speedup": 1.3, "confidence": 0.95, "confirmations": 0})
+    setup = prepare_run(task, tmp_path / "runs", run_id=f"moved-{tmp_path.name}"[:60], vllm_version=VERSION)
+    data = study(setup, 0, [tmp_path / "moved.patch"], 1, sandbox=FakeSandbox(tmp_path / "servers"), on_line=print)
+    [row] = data["benchmarks"]
+    assert "moved by code" in row["not_counted"]
+    seen = {r: [x["decoding_at_once"] for x in row["samples"] if x["role"] == r] for r in ("incumbent", "candidate")}
+    assert len(seen["candidate"]) == len(seen["incumbent"]) >= 4 and max(seen["candidate"]) > 8
+    assert max(seen["incumbent"]) <= 6, seen
+
+
 def test_a_benchmark_the_rules_do_not_count_is_recorded_apart_and_the_study_goes_on():
     """Beside the test suite an A/A-like benchmark was found 'moved by code' (since mended: passes delivered in a
     burst) and the whole study stopped with a traceback, its other benchmarks unwritten. Such a benchmark is now a
