@@ -18,6 +18,28 @@ MODEL_INSPECTION = "cache/vllm/modelinfos/vllm-model_executor-models-gemma4-Gemm
 """vLLM's cached inspection of the model class (about 8 s of a cold start here, in a subprocess of its own)."""
 
 
+def probe_tree(name: str):
+    """A probe's vLLM tree (benchmarks/noise-checks/*_probe.py): a checkout built from the installed vLLM and one
+    built worktree of it, under the temporary folder's nightshift-NAME, made once and reused."""
+    import tempfile
+    from pathlib import Path
+
+    import git
+
+    from agent.stages.build import build
+    from agent.world.checkout import create_checkout
+
+    base = Path(tempfile.gettempdir()) / f"nightshift-{name}"
+    base.mkdir(exist_ok=True)
+    checkout, tree = base / "checkout", base / "tree"
+    if not checkout.exists():
+        create_checkout(checkout)
+    if not tree.exists():
+        git.Repo(checkout).git.worktree("add", "--detach", str(tree), "HEAD")
+        build(0, tree, [])
+    return base, tree
+
+
 def real_vllm_spec(tree, name: str = "real-vllm", seed=None):
     """The tiny CPU task's baseline as one server: the tree, its synthetic checkpoint (seed 0), 256 MiB of KV cache;
     `seed`, a folder of caches a baseline server exported (the run's `cache_seed`)."""

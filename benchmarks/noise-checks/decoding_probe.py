@@ -5,28 +5,17 @@ at 32, both as the momentary peak and as the level held nine tenths of the time.
 import asyncio
 import random
 import sys
-import tempfile
 import uuid
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import git
-from agent.stages.build import build
-from agent.world.checkout import create_checkout
 from agent.stages.bench import timed_pass
 from agent.stages.load import LoadClient
 from sandbox.local import LocalSandbox
-from tests.real_vllm import real_vllm_spec
+from tests.real_vllm import probe_tree, real_vllm_spec
 
 
 if __name__ == "__main__":
-    base = Path(tempfile.gettempdir()) / "nightshift-decoding-probe"; base.mkdir(exist_ok=True)
-    checkout = base / "checkout"
-    if not checkout.exists():
-        create_checkout(checkout)
-    tree = base / "tree"
-    if not tree.exists():
-        git.Repo(checkout).git.worktree("add", "--detach", str(tree), "HEAD")
-        build(0, tree, [])
+    base, tree = probe_tree("decoding-probe")
     for seqs in (4, 32):
         run_dir = base / f"run-{uuid.uuid4().hex[:6]}"; run_dir.mkdir()
         spec = real_vllm_spec(tree, f"probe-{seqs}")

@@ -21,7 +21,6 @@ import math
 import random
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -30,11 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import git
 
 from agent.stages.bench import timed_pass
-from agent.stages.build import build
 from agent.stages.load import LoadClient
-from agent.world.checkout import create_checkout
 from sandbox.local import LocalSandbox
-from tests.real_vllm import real_vllm_spec
+from tests.real_vllm import probe_tree, real_vllm_spec
 
 MODEL = "vllm/model_executor/models/gemma4.py"
 CALL = """        hidden_states = self.model(
@@ -139,14 +136,7 @@ def block_spread(passes: list[dict], sizes=(1, 2, 4, 8, 16, 32, 64, 116)) -> lis
 if __name__ == "__main__":
     cycles = int(sys.argv[1]) if len(sys.argv) > 1 else 12
     by_step = len(sys.argv) > 2 and sys.argv[2] == "steps"
-    base = Path(tempfile.gettempdir()) / "nightshift-step-excess-probe"; base.mkdir(exist_ok=True)
-    checkout = base / "checkout"
-    if not checkout.exists():
-        create_checkout(checkout)
-    tree = base / "tree"
-    if not tree.exists():
-        git.Repo(checkout).git.worktree("add", "--detach", str(tree), "HEAD")
-        build(0, tree, [])
+    base, tree = probe_tree("step-excess-probe")
     instrument(tree)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 4000) for _ in range(64)] for _ in range(32)]
