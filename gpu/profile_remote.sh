@@ -3,8 +3,8 @@
 # under torch.profiler with its CUDA activity) on the GPU machine, from the offline vLLM payload
 # (../shared/gpu/build-payload.sh -> .payload/p1..pN) and the harness's wheels (gpu/fetch-wheels.sh -> .whl).
 # Calls back to back (a machine is given back about 30 s after a call; /tmp survives between calls while it is warm):
-#   stage PART     with .payload/PART in the tree: copied to /tmp/pl; the wheels carried under .whl (any folder within
-#                  it, so that they can be spread over the parts' calls: each call carries at most 64 MiB) to /tmp/nsdeps
+#   stage PART     with .payload/PART in the tree: copied to /tmp/pl; the wheels found under .whl (in any folder within
+#                  it, so that they can be spread over the parts' calls: one call takes at most 64 MiB) to /tmp/nsdeps
 #   profile [S]    install the payload, copy this tree to /tmp/ns/repo, start the profile detached, then poll S s
 #   poll S         wait up to S s for the profile; its log, summary and cached JSON to $RESULTS (default /tmp/ns/results)
 set -u
