@@ -79,6 +79,11 @@ def audit_row(s: RunSetup, reference, result, calibration, index: int) -> dict:
             "reference": v.reference, "rate_p_value": v.rate_p_value, "concentration_p_value": v.concentration_p_value}
 
 
+def pooled_sd(sds: list[float]) -> float:
+    """Benchmarks' per-pair log-ratio SDs pooled (the root of their mean variance); nan for none."""
+    return float(np.sqrt(np.mean(np.square(sds)))) if sds else float("nan")
+
+
 def summarize(task, rows: list[dict], patches: list[str]) -> dict:
     """The study's counts. A benchmark the rules do not count (`not_counted`: a candidate's would be rejected at
     `benchmark`) is counted apart, and left out of the speedups and the spread."""
@@ -86,7 +91,7 @@ def summarize(task, rows: list[dict], patches: list[str]) -> dict:
     dropped = {label: sum(r["label"] == label for r in rows if "not_counted" in r) for label in ["A/A", *patches]}
     rows = [r for r in rows if "not_counted" not in r]
     aa = [r for r in rows if r["label"] == "A/A"]
-    sd = float(np.sqrt(np.mean([r["log_ratio_sd"] ** 2 for r in aa]))) if aa else float("nan")
+    sd = pooled_sd([r["log_ratio_sd"] for r in aa])
     n, known = task.benchmark.repetitions, bool(aa)
     summary = {"a_a": {"benchmarks": len(aa), "false_accepts": sum(r["accepted"] for r in aa),
                        "interval_excludes_one": sum(r["slower"] or r["faster"] for r in aa),

@@ -22,6 +22,7 @@ import numpy as np
 from scipy import stats
 
 from agent.stages.stats import ESTIMATORS, TRIMMED, look_statistics, order_signs
+from agent.studies.noise_study import pooled_sd
 
 
 def plain_interval(row: dict, confidence: float, estimator: str = TRIMMED) -> tuple[float, float, float]:
@@ -87,7 +88,7 @@ def main() -> None:
     print(f"{'label':<44} {'n':>3} {'kept':>4} {'faster':>6} {'slower':>6} {'pairs':>6} {'SD':>6} {'step':>7}")
     for label, t in tally(rows, a.confidence, a.estimator).items():
         n = t["benchmarks"]
-        sd = float(np.sqrt(np.mean(np.square(t["sd"])))) if n else float("nan")
+        sd = pooled_sd(t["sd"])
         pairs = float(np.mean(t["pairs"])) if n else float("nan")
         steps = f"{float(np.median(t['steps'])):.4f}x" if t["steps"] else "-"
         extra = f"  ({t['not_counted']} not counted)" if t["not_counted"] else ""

@@ -9,22 +9,30 @@ from agent.face.cli import app
 from agent.studies.noise_study import study
 from agent.run.setup import prepare_run
 from tests.fake_sandbox import FakeSandbox
-from tests.stand_in import VERSION, fake_task, mode, new_file_patch
+from tests.stand_in import ROOT, VERSION, fake_task, mode, new_file_patch
 from traces import read_trace
 
 
 pytestmark = pytest.mark.serial  # serial: repeated A/As and a known slowdown measure the host's noise
 
 
+STUDY_SETTINGS = dict(benchmark={"warmup_requests": 2, "repetitions": 4, "request_timeout_s": 10,
+                                 "max_client_busy": 1.0},
+                      acceptance={"min_speedup": 1.3, "confidence": 0.95, "confirmations": 0})
+"""The studies' fake task: 4 pairs a benchmark, stand-ins' effects many times their noise."""
+
+
+def dead_code_patch(folder):
+    (folder / "dead-code.patch").write_text(new_file_patch("vllm/never_imported.py", "X = 1\n",
+                                                           "a module no server imports"))
+
+
 @pytest.fixture
 def setup(tmp_path, fake_checkout, fake_model):
     (tmp_path / "slow-4x.patch").write_text(new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.04),
                                                            "four times the time per token"))
-    (tmp_path / "dead-code.patch").write_text(new_file_patch("vllm/never_imported.py", "X = 1\n",
-                                                             "a module no server imports"))
-    task = fake_task(fake_checkout, fake_model, tmp_path, benchmark={"warmup_requests": 2, "repetitions": 4,
-                                                                    "request_timeout_s": 10, "max_client_busy": 1.0},
-                     acceptance={"min_speedup": 1.3, "confidence": 0.95, "confirmations": 0})
+    dead_code_patch(tmp_path)
+    task = fake_task(fake_checkout, fake_model, tmp_path, **STUDY_SETTINGS)
     return prepare_run(task, tmp_path / "runs", run_id=f"noise-{tmp_path.name}"[:60], vllm_version=VERSION)
 
 
@@ -117,15 +125,9 @@ def test_the_noise_command_stopped_by_sigterm_writes_what_it_has_and_stops_its_s
     import sys
     import time
 
-    from tests.stand_in import ROOT
-
     (tmp_path / "patches").mkdir()
-    (tmp_path / "patches" / "dead-code.patch").write_text(new_file_patch("vllm/never_imported.py", "X = 1\n",
-                                                                         "a module no server imports"))
-    task = fake_task(fake_checkout, fake_model, tmp_path / "patches",
-                     benchmark={"warmup_requests": 2, "repetitions": 4, "request_timeout_s": 10,
-                                "max_client_busy": 1.0},
-                     acceptance={"min_speedup": 1.3, "confidence": 0.95, "confirmations": 0})
+    dead_code_patch(tmp_path / "patches")
+    task = fake_task(fake_checkout, fake_model, tmp_path / "patches", **STUDY_SETTINGS)
     (tmp_path / "task.json").write_text(task.model_dump_json())
     runs = tmp_path / "runs"
     proc = subprocess.Popen([sys.executable, "-m", "tests.resume_driver", "noise", str(tmp_path / "task.json"),
@@ -168,9 +170,7 @@ def test_a_benchmark_not_counted_keeps_the_samples_the_rule_read(fake_model, tmp
     (tmp_path / "moved.patch").write_text(new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.01, max_seqs=16),
                                                          "hold 16 sequences whatever max_num_seqs says"))
     task = fake_task(checkout, fake_model, tmp_path, workload={"num_prompts": 16, "input_len": 16, "output_len": 32},
-                     benchmark={"warmup_requests": 2, "repetitions": 4, "request_timeout_s": 10,
-                                "max_client_busy": 1.0},
-                     acceptance={"min_speedup": 1.3, "confidence": 0.95, "confirmations": 0})
+                     **STUDY_SETTINGS)
     setup = prepare_run(task, tmp_path / "runs", run_id=f"moved-{tmp_path.name}"[:60], vllm_version=VERSION)
     data = study(setup, 0, [tmp_path / "moved.patch"], 1, sandbox=FakeSandbox(tmp_path / "servers"), on_line=print)
     [row] = data["benchmarks"]
