@@ -386,7 +386,8 @@ def relative_text(cell: dict) -> str:
 
 def markdown(data: dict) -> str:
     env, grid = data["environment"], data["grid"]
-    hardware = env["gpu"] if env["gpu"] != "cpu" else f"cpu ({env.get('cpu', '')})"
+    cpu = ", ".join(filter(None, (env.get("cpu"), env.get("cpu_isa"))))
+    hardware = env["gpu"] if env["gpu"] != "cpu" else f"cpu ({cpu})"
     lines = [f"# verify {data['run_id']}: {data['task']}", "",
              f"head {data['head']['ref']} ({data['head']['commit'][:12]}) against base {data['base']['ref']} "
              f"({data['base']['commit'][:12]}); relative total token throughput (head / base), "
