@@ -22,7 +22,7 @@ from agent.stages import liveness
 
 from agent.stages import noise
 from agent.stages.build import build
-from agent.world.environment import environment
+from agent.world.environment import environment, hardware
 from agent.run.pool import ServerPool, ServerRequest
 from agent.run.setup import RunSetup
 from agent.stages.stats import accepts
@@ -124,7 +124,7 @@ def summarize(task, rows: list[dict], patches: list[str]) -> dict:
 def markdown(data: dict) -> str:
     aa = data["summary"]["a_a"]
     lines = [f"# noise study {data['run_id']}: {data['task']}", "",
-             f"{data['environment']['gpu']}, vLLM {data['environment']['vllm']}; {aa['pairs_per_benchmark']} paired repetitions per benchmark, metric "
+             f"{hardware(data['environment'])}, vLLM {data['environment']['vllm']}; {aa['pairs_per_benchmark']} paired repetitions per benchmark, metric "
              f"{data['metric']}, acceptance: interval above {data['min_speedup']} at {data['confidence']:.0%}.", "",
              "| benchmark | speedup | interval | pairs | accepted |", "|---|---|---|---|---|"]
     for r in data["benchmarks"]:

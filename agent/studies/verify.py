@@ -20,7 +20,7 @@ from agent.stages import bench
 from agent.replay.chain import BranchUnreadable, _open_repo, checkout_of
 from agent.stages.build import build
 from agent.world.checkpoint import prepare_model
-from agent.world.environment import environment
+from agent.world.environment import environment, hardware
 from agent.studies.grid import GIB, Cell, GridPlan, context_limit, cpu_kv_space_gib, kv_bytes_per_token, plan_grid, text_config
 from agent.stages.parity import ReferenceFailed, check_parity
 from agent.world.paths import cache_root
@@ -386,13 +386,11 @@ def relative_text(cell: dict) -> str:
 
 def markdown(data: dict) -> str:
     env, grid = data["environment"], data["grid"]
-    cpu = ", ".join(filter(None, (env.get("cpu"), env.get("cpu_isa"))))
-    hardware = env["gpu"] if env["gpu"] != "cpu" else f"cpu ({cpu})"
     lines = [f"# verify {data['run_id']}: {data['task']}", "",
              f"head {data['head']['ref']} ({data['head']['commit'][:12]}) against base {data['base']['ref']} "
              f"({data['base']['commit'][:12]}); relative total token throughput (head / base), "
              f"{data['confidence']:.0%} interval, {grid['repetitions']} paired passes per cell.", "",
-             f"{hardware}; vLLM {env['vllm']}, torch {env['torch']}, {env['dtype']}, max_model_len "
+             f"{hardware(env)}; vLLM {env['vllm']}, torch {env['torch']}, {env['dtype']}, max_model_len "
              f"{env['max_model_len']}, nightshift {env['nightshift']}, model {env['model_sha256'][:12]}"
              + (f"; task overrides: {', '.join(data['settings'])}" if data.get("settings") else "")
              + (f"; relaxed: {'; '.join(map(describe_relaxed, data['relaxed']))}" if data.get("relaxed") else ""), "",

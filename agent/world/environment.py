@@ -105,6 +105,13 @@ def accelerator(gpus: list[int]) -> dict:
     return {"gpu": "cpu", "cpu": _cpu_model(), "cpu_isa": cpu_isa()}
 
 
+def hardware(env: dict) -> str:
+    """One line for a report: the GPU, or "cpu (MODEL, EXTENSIONS)"."""
+    if env.get("gpu") != "cpu":
+        return str(env.get("gpu"))
+    return f"cpu ({', '.join(filter(None, (env.get('cpu'), env.get('cpu_isa'))))})"
+
+
 def environment(task, model_sha256: str, max_model_len: int | None = None) -> dict:
     return {**accelerator(list(task.sandbox.gpus)), "vllm": _version("vllm"), "torch": _version("torch"),
             "python": sys.version.split()[0], "platform": platform.platform(), "dtype": task.model.dtype,

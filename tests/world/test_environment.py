@@ -1,7 +1,7 @@
 """What a measurement records of the machine it ran on (agent/world/environment.py)."""
 import pytest
 
-from agent.world.environment import accelerator, cpu_isa
+from agent.world.environment import accelerator, cpu_isa, hardware
 
 EPYC_AVX2 = """processor\t: 0
 model name\t: AMD EPYC
@@ -26,3 +26,9 @@ def test_a_cpu_measurement_records_the_extensions_of_this_machine():
     if found["gpu"] != "cpu":
         pytest.skip("a GPU machine records its GPU")
     assert found["cpu_isa"] == cpu_isa() and found["cpu_isa"] != "unknown"
+
+
+def test_a_report_names_the_cpu_with_its_extensions_and_a_gpu_by_its_name():
+    assert hardware({"gpu": "cpu", "cpu": "AMD EPYC", "cpu_isa": "avx2"}) == "cpu (AMD EPYC, avx2)"
+    assert hardware({"gpu": "cpu", "cpu": "AMD EPYC"}) == "cpu (AMD EPYC)"  # a study recorded before the field
+    assert hardware({"gpu": "NVIDIA H200", "gpu_count": 1}) == "NVIDIA H200"
