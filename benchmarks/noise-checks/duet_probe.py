@@ -17,6 +17,7 @@ rounds' SD and the standard error that 180 s of such rounds would give.
 aa: two servers of one tree. step: B is the tree with step-5pct-slower-vllm-0.32.0.patch (1.053x slower by
 construction). From the project root."""
 import asyncio
+import bisect
 import json
 import math
 import random
@@ -31,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from agent.stages.completions import complete  # noqa: E402
+from sandbox.host import hold_processes  # noqa: E402
 from sandbox.local import LocalSandbox  # noqa: E402
 from tests.real_vllm import probe_tree, real_vllm_spec  # noqa: E402
 
@@ -49,21 +51,16 @@ def step_tree(base: Path, tree: Path) -> Path:
 
 
 class Held:
-    """A server's processes found once (they do not change while it serves), signalled directly: the sandbox's
-    own hold scans /proc three times, 50-150 ms a turn here."""
+    """A server's processes found once (they do not change while it serves) and held by the sandbox's own
+    hold_processes over that fixed set: the sandbox's `hold` finds them anew in /proc each time, and the turns'
+    gaps were 45-154 ms with it."""
     def __init__(self, server):
         from sandbox.host import process_tree
         from sandbox.local import _group_members
-        self.pids = sorted(set(_group_members(server.process.pid)) | process_tree(server.process.pid))
+        self.pids = set(_group_members(server.process.pid)) | process_tree(server.process.pid)
 
     def hold(self, frozen: bool) -> None:
-        import os
-        import signal
-        for pid in self.pids:
-            try:
-                os.kill(pid, signal.SIGSTOP if frozen else signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+        hold_processes(lambda: self.pids, frozen)
 
 
 class Side:
@@ -89,7 +86,6 @@ GRACE_S = 0.05
 def count(events, turns, output_only=False):
     """Tokens into turns: each event to the turn during which it arrived (or within GRACE_S after its end); events
     outside every turn of this block (other blocks, the warm-up) are not counted."""
-    import bisect
     starts = [t[0] for t in turns]
     out = [0] * len(turns)
     for when, n in events:
