@@ -75,8 +75,9 @@ def check_worktrees(run_dir: Path) -> None:
 def check_finished(run_dir: Path, expected: list) -> list:
     events = [r.event for r in read_trace(run_dir / "trace.jsonl")]
     assert events[-1].kind == "run_finished" and events[-1].reason == "budget: candidates", events[-1]
-    assert kept_patches(run_dir) == expected
-    assert sorted(e.candidate for e in events if e.kind == "decision") == [1, 2, 3, 4]
+    decisions = [(e.candidate, e.verdict, e.stage, e.reason) for e in events if e.kind == "decision"]
+    assert kept_patches(run_dir) == expected, decisions  # the decisions say why, where a keep is missing
+    assert sorted(e.candidate for e in events if e.kind == "decision") == [1, 2, 3, 4], decisions
     assert sorted(e.candidate for e in events if e.kind == "proposal") == [1, 2, 3, 4]  # none proposed again
     commits = [e for e in events if e.kind == "commit"]
     assert len({c.decision_sha256 for c in commits}) == len(commits) == 2
