@@ -38,9 +38,7 @@ beside() {
     -m "$select and not heavy and not serial and not paced and not contained" "$@"
   tier contained contained -p no:xdist -m "$select and contained and not heavy and not serial" "$@"
 }
-# The tiers beside the heavy one run at nice 10 (NIGHTSHIFT_BESIDE_NICE): nothing of theirs is judged by speed, and
-# the heavy tier, which is, is the suite's critical path (on a 2-core AVX2 machine it ran 2.75x slower beside them)
-( renice -n "${NIGHTSHIFT_BESIDE_NICE:-10}" -p "$BASHPID" > /dev/null; beside "$@" ) > "$temp/beside.log" 2>&1 &
+beside "$@" > "$temp/beside.log" 2>&1 &
 beside_pid=$!
 tier heavy heavy -p no:xdist -m "$select and heavy" "$@"
 wait "$beside_pid"
