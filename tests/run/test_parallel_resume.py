@@ -18,7 +18,7 @@ ray = pytest.importorskip("ray")
 from agent.replay.chain import audit  # noqa: E402
 from tests.conftest import once_per_session
 from tests.stand_in import fake_task, mode, new_file_patch
-from tests.run.test_resume import FAST_DELAY_S, PATCHES, fake_checkout, kept_patches, leftovers, worktrees, write_task_file  # noqa: E402,F401
+from tests.run.test_resume import FAST_DELAY_S, PATCHES, decided, fake_checkout, kept_patches, leftovers, worktrees, write_task_file  # noqa: E402,F401
 from traces import read_trace  # noqa: E402
 from traces.log import CRASH_ENV  # noqa: E402
 
@@ -75,9 +75,9 @@ def check_worktrees(run_dir: Path) -> None:
 def check_finished(run_dir: Path, expected: list) -> list:
     events = [r.event for r in read_trace(run_dir / "trace.jsonl")]
     assert events[-1].kind == "run_finished" and events[-1].reason == "budget: candidates", events[-1]
-    decisions = [(e.candidate, e.verdict, e.stage, e.reason) for e in events if e.kind == "decision"]
+    decisions = decided(events)
     assert kept_patches(run_dir) == expected, decisions  # the decisions say why, where a keep is missing
-    assert sorted(e.candidate for e in events if e.kind == "decision") == [1, 2, 3, 4], decisions
+    assert sorted(d[0] for d in decisions) == [1, 2, 3, 4], decisions
     assert sorted(e.candidate for e in events if e.kind == "proposal") == [1, 2, 3, 4]  # none proposed again
     commits = [e for e in events if e.kind == "commit"]
     assert len({c.decision_sha256 for c in commits}) == len(commits) == 2

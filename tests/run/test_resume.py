@@ -151,11 +151,17 @@ def uninterrupted(task_file, tmp_path_factory):
     return Path(run_dir), [tuple(p) for p in patches]
 
 
+def decided(events: list) -> list[tuple]:
+    """(candidate, verdict, stage, reason) of each decision: what an assertion on the kept patches shows when one
+    is missing."""
+    return [(e.candidate, e.verdict, e.stage, e.reason) for e in events if e.kind == "decision"]
+
+
 def check_finished(run_dir: Path, expected: list) -> list:
     records = read_trace(run_dir / "trace.jsonl")
     events = [r.event for r in records]
     assert events[-1].kind == "run_finished" and events[-1].reason == "budget: candidates", events[-1]
-    assert kept_patches(run_dir) == expected
+    assert kept_patches(run_dir) == expected, decided(events)
     result = audit(run_dir)
     assert result.finished and result.commits == 2
     decisions = [e for e in events if e.kind == "decision"]
