@@ -73,6 +73,8 @@ class ServerSpec(BaseModel):
     env: dict[str, str] = Field(default_factory=dict)
     startup_timeout_s: float = 600
     gpus: list[int] = Field(default_factory=list)
+    nice: int | None = None
+    """The niceness the server's processes start at (sandbox/priority.py); None: the harness's own."""
     cache_seed: Path | None = None
     """Compile caches exported by servers of the unmodified baseline, copied in before start; a
     server never writes to another server's caches, and a candidate's are never exported."""

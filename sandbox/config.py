@@ -17,6 +17,12 @@ class SandboxConfig(BaseModel):
     memory_gb: float = Field(8, gt=0)
     cpus: float | None = Field(None, gt=0)
     pids_limit: int = Field(4096, gt=0)
+    nice: int | None = Field(None, ge=-20, le=19)
+    """The niceness of the servers' processes, and of the harness's client thread while it times them, both sides
+    alike (sandbox/priority.py); None (the default): the harness's own. Below 0 needs root or CAP_SYS_NICE, else
+    the harness's own is kept. Off by default: at -10 beside a running test suite the per-pair SD was no lower
+    (benchmarks/results/cpu-judge.md) and the neighbours starved. The docker backend does not set it (its
+    containers' processes are weighed in their own cgroup)."""
     tmpfs_mb: int = Field(2048, gt=0)
     parallel_starts: bool = True
     """Start the servers that a step needs at once (the two baselines; a candidate's parity and

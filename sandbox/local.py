@@ -17,6 +17,7 @@ from typing import Callable, TypeVar
 from sandbox.base import (CACHE_DIRS, Endpoint, Outcome, Reachable, SandboxError, ServerSpec, build_env, read_imports,
                           runtime_env, serve_argv, wait_healthy)
 from sandbox.config import SandboxConfig
+from sandbox import priority
 from sandbox.host import (hold_processes, marked_processes, owner_alive, process_identity, process_tree, running,
                           same_boot, server_marks, stat_fields)
 
@@ -198,7 +199,7 @@ class LocalSandbox:
         with open(log, "wb") as out:
             process = subprocess.Popen(argv, cwd=tmp, env=server_env(spec, home, import_log, source_tree, tmp),
                                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       start_new_session=True)
+                                       start_new_session=True, preexec_fn=priority.in_child(spec.nice))
         record_server(home, process.pid)
         server = LocalServer(spec, process, port, home, log, import_log, tmp)
         wait_healthy(server, spec.startup_timeout_s, cancel)

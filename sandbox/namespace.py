@@ -23,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+from sandbox import priority
 from sandbox import cgroups
 from sandbox.base import (Endpoint, Outcome, Reachable, SandboxError, ServerSpec, build_env, read_imports, runtime_env,
                           serve_argv, wait_healthy)
@@ -370,6 +371,7 @@ class NamespaceSandbox:
             try:
                 process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
                                            pass_fds=(read_end,), start_new_session=True, cwd="/",
+                                           preexec_fn=priority.in_child(spec.nice),
                                            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
             finally:
                 os.close(read_end)

@@ -240,6 +240,11 @@ class Sample(BaseModel):
     """CPU time the hypervisor gave to others while this machine wanted to run, during the pass (/proc/stat)."""
     major_faults: int | None = None
     """Page faults of the measured server that read from disk during the pass (code or weights evicted earlier)."""
+    server_nice: int | None = None
+    """The measured server's niceness during the pass (its first process, from /proc; sandbox.nice), None where
+    not visible."""
+    client_nice: int | None = None
+    """The niceness of the harness's client thread during the pass (sandbox/priority.py `raised`)."""
 
 
 class Liveness(BaseModel):
@@ -369,6 +374,11 @@ class AuditVerdict(BaseModel):
     magnitude_p_value: float | None = None
     """Exact, under exchangeability with the honest deficits (the control's and the A/A's, pooled): P(the j largest
     of all deficits are all the candidate's), j its deficits above every honest one. None: a trace from before it."""
+    honest_seeds: list[int] | None = None
+    """The sample_seeds of the run's earlier audits whose controls were pooled into the magnitude test's honest
+    deficits beside this audit's control and A/A: the base tree's own outputs, measured beside candidates while the
+    incumbent served the base commit, their control verdicts passed (agent/stages/token_audit.py `base_controls`).
+    None: a trace from before the pool (the control and the A/A alone)."""
 
 
 class InvalidOutput(BaseModel):
@@ -425,7 +435,8 @@ class TokenAudit(Event):
     incumbent: bool = False
     """The incumbent's own audit on fresh prompts, its verdict against the A/A: after a flagged control
     (`candidate` is the candidate whose benchmark flagged it), or the branch head at the end of a run (`candidate`
-    0). `commit` names the commit it served."""
+    0). `commit` names the commit it served; in a candidate's audit, the commit its control (the incumbent) served
+    ('' in traces written before)."""
     commit: str = ""
 
 

@@ -85,7 +85,7 @@ class ServerPool:
         return ServerSpec(name=request.name, labels={"nightshift.run": self.run_id, "nightshift.candidate": request.name},
                           source_tree=request.tree, model_dir=self.model_dir, engine_args=args, env=env,
                           startup_timeout_s=self.start_timeout(request)[0],
-                          gpus=self.task.sandbox.gpus, cache_seed=seed)
+                          gpus=self.task.sandbox.gpus, nice=self.task.sandbox.nice, cache_seed=seed)
 
     def _start_one(self, request: ServerRequest, cancel: threading.Event | None = None) -> Server:
         began = time.monotonic()

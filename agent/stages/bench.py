@@ -24,6 +24,7 @@ from agent.stages.stats import (SpeedupEstimate, idle_work, moved_by_code, off_s
 from agent.world.task import Task
 from agent.stages.token_audit import Output
 from sandbox.base import Server
+from sandbox import priority
 from sandbox.host import cpu_seconds, machine_cpu, major_faults, server_pid
 from traces.log import raise_pending
 from traces.schema import BenchReport, Sample
@@ -267,7 +268,8 @@ async def timed_pass(load: LoadClient, server: Server, role: str, repetition: in
                     neighbour_cpu_s=idle_cpu, neighbour_held=held if idle is not None else None,
                     settle_s=settled_s, engine_steps=steps and steps[0],
                     step_tokens=steps and steps[1], server_cpu_s=own_cpu, machine_cpu_s=machine, steal_s=steal,
-                    major_faults=faults, max_num_seqs=_declared(server, "max_num_seqs"),
+                    major_faults=faults, server_nice=priority.of(own_pid), client_nice=priority.thread_nice(),
+                    max_num_seqs=_declared(server, "max_num_seqs"),
                     decoding_at_once=decoding_at_once(completions))
     return Pass(sample, prompts, outputs)
 
@@ -308,8 +310,16 @@ async def compare(task: Task, incumbent: Server, candidate: Server, vocab_size: 
                   on_sample: Callable[[Sample], None] = lambda s: None) -> Comparison:
     """Interleave incumbent and candidate (ABBA order) over fresh prompts for each repetition, until the
     stopping rule decides (a fixed count where benchmark.max_repetitions is unset)."""
-    with LoadClient(task.benchmark.client_processes) as load:
+    with priority.raised(client_nice(incumbent, candidate)), LoadClient(task.benchmark.client_processes) as load:
         return await _compare(load, task, incumbent, candidate, vocab_size, seeds, on_sample)
+
+
+def client_nice(*servers: Server) -> int | None:
+    """The niceness the client times these servers at: theirs (sandbox.nice, set at their start), where the
+    harness sees every one's; None (the client as it is) where not. Client processes (benchmark.client_processes)
+    are started inside the raise and take it too."""
+    values = [priority.of(server_pid(server)) for server in servers]
+    return None if not values or None in values else max(values)
 
 
 def audit_calibration_passes(task: Task) -> int:
@@ -326,7 +336,7 @@ def audit_calibration_passes(task: Task) -> int:
 async def calibration_passes(task: Task, server: Server, vocab_size: int, seeds: list[int]) -> list[Pass]:
     """Timed passes of the workload on one server (the baseline's A/A for the token audit)."""
     w, b = task.workload, task.benchmark
-    with LoadClient(b.client_processes) as load:
+    with priority.raised(client_nice(server)), LoadClient(b.client_processes) as load:
         count = pass_size(task, await warm_up(load, server, task, vocab_size, seeds[0]))
         return [await timed_pass(load, server, "incumbent", repetition,
                                  draw_prompts(seed, count, w.input_len, vocab_size), w.output_len,

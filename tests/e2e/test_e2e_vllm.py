@@ -139,6 +139,9 @@ def test_queue_run_rejects_each_bad_patch_at_its_stage(real_run):
     [bench] = [b for b in events(records, "benchmark") if b.candidate == NEAR_TIES]  # the killed one left no record
     assert bench.liveness.imported_patched == ["vllm/model_executor/models/gemma4.py"]
     assert len([s for s in bench.samples if s.role == "candidate"]) == task["benchmark"]["repetitions"]
+    # sandbox.nice off (the default): every server and the client at the harness's own niceness, recorded per pass
+    nice = {(s.server_nice, s.client_nice) for s in bench.samples}
+    assert nice == {(os.nice(0), os.nice(0))}, nice
 
 
 def test_a_patch_right_alone_and_wrong_in_batches_is_rejected_at_the_audit(real_run):

@@ -23,6 +23,7 @@ import pytest
 from sandbox import cgroups, make_sandbox
 from sandbox.base import SandboxError, ServerSpec
 from sandbox.config import SandboxConfig
+from sandbox import priority
 from sandbox.namespace import IO_ROOT, NamespaceSandbox, NamespaceUnavailable, probe
 from tests.hostile.plant import assert_held_work_stops, hostile_spec, observed, try_the_neighbours
 from tests.real_vllm import MODEL_INSPECTION, SEED_MARK, greedy_tokens, real_vllm_spec, seeded
@@ -344,6 +345,31 @@ def test_held_while_the_other_side_is_measured_its_escaped_work_stops_too(tmp_pa
         assert_held_work_stops(server)
     finally:
         assert server.stop() == "ok"
+    assert not leftovers(run_dir)
+
+
+def test_a_server_runs_at_the_tasks_niceness_and_its_candidate_cannot_go_lower_or_push_others(tmp_path, run_dir):
+    """sandbox.nice: every process of a server starts at it (where the harness may set it: as root). The `priority`
+    act then tries to lower its own to -20 and to raise every other process it sees to 19: refused for itself (no
+    capability in the sandbox), and the other server of the run (the victim), in its own pid namespace, keeps its
+    niceness."""
+    expected = -10 if os.geteuid() == 0 else os.getpriority(os.PRIO_PROCESS, 0)
+    sandbox = NamespaceSandbox(config(), run_dir)
+    victim = sandbox.start(hostile(tmp_path, "benign", name="victim", nice=-10))
+    try:
+        server = sandbox.start(hostile(tmp_path, "priority", nice=-10))
+        try:
+            seen = observed(server)
+            assert seen["before"] == seen["after"] == expected and seen["refused"], seen
+            for one in (server, victim):
+                ns = os.readlink(f"/proc/{one.init_pid()}/ns/pid")
+                members = processes_in(ns)
+                assert members and {priority.of(pid) for pid in members} == {expected}, (one.name, members)
+            assert priority.of(os.getpid()) == priority.thread_nice()  # the harness is left as it was
+        finally:
+            assert server.stop() == "ok"
+    finally:
+        assert victim.stop() == "ok"
     assert not leftovers(run_dir)
 
 
