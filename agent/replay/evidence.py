@@ -13,7 +13,7 @@ import math
 from agent.stages.stats import (MEAN_T, accepts, estimate_speedup, idle_work, moved_by_code, order_signs,
                                 plan_looks, sequential_estimate)
 from agent.world.task import Acceptance, Audit, Benchmark
-from agent.stages.token_audit import EPSILON_NATS, audit_passed, calibration_refusal, judge
+from agent.stages.token_audit import EPSILON_NATS, audit_passed, base_controls, calibration_refusal, judge
 from traces import TraceError
 from agent.run import budget
 from traces.schema import (BenchReport, Commit, Decision, ErrorSpent, IncumbentReverted, NullCheck, Record,
@@ -36,6 +36,7 @@ def check_decisions(records: list[Record]) -> int:
     audited = bool(started.task.get("audit", {}).get("enabled", False))
     rule = Audit.model_validate(started.task.get("audit", {}))
     calibrations: dict[int, TokenAudit] = {}
+    honest: dict[int, TokenAudit] = {}
     reports: dict[tuple[int, int], BenchReport] = {}
     audits: dict[tuple[int, int], TokenAudit] = {}
     incumbent_audits: dict[int, TokenAudit] = {}
@@ -84,7 +85,8 @@ def check_decisions(records: list[Record]) -> int:
             if busy:
                 raise TraceError(line, f"benchmark of candidate {event.candidate} counted, though {busy}")
         elif isinstance(event, TokenAudit):
-            _check_audit(event, line, rule, acceptance, calibrations)
+            _check_audit(event, line, rule, acceptance, calibrations, honest)
+            honest.update((a.sample_seed, a) for a in base_controls([event], started.base_commit))
             if event.calibration:
                 calibrations[event.sample_seed] = event
             elif event.incumbent:
@@ -140,8 +142,10 @@ def _check_reverted(event: IncumbentReverted, line: int, keeps: list, incumbent_
 
 
 def _check_audit(event: TokenAudit, line: int, rule: Audit, acceptance: Acceptance,
-                 calibrations: dict[int, TokenAudit]) -> None:
-    """A token audit's counts agree with its recorded deficits, and its verdict follows from them by the rule."""
+                 calibrations: dict[int, TokenAudit], honest: dict[int, TokenAudit] | None = None) -> None:
+    """A token audit's counts agree with its recorded deficits, and its verdict follows from them by the rule.
+    `honest`: the trace's earlier base-tree controls by seed (token_audit.base_controls), the only audits a verdict
+    may pool as honest deficits."""
     where = f"audit of candidate {event.candidate}" + (" (the A/A)" if event.calibration else "")
     side = event.side
     if side is None:  # written before the rate rule: violations against the tolerance alone
@@ -174,12 +178,25 @@ def _check_audit(event: TokenAudit, line: int, rule: Audit, acceptance: Acceptan
     if event.control_verdict is not None:
         _check_verdict(event.control_verdict, _invalid(event, "control", line, where)
                        or judge(event.control, None, aa, *args,
-                                magnitude=event.control_verdict.magnitude_p_value is not None),
+                                magnitude=event.control_verdict.magnitude_p_value is not None,
+                                honest=_pooled(event.control_verdict, honest or {}, f"{where}, its control", line)),
                        f"{where}, its control", line)
         if not event.control_verdict.passed:
             control = None  # a control that fails its own audit is no reference for the candidate
     _check_verdict(recorded, _invalid(event, "candidate", line, where)
-                   or judge(side, control, aa, *args, magnitude=weighed), where, line)
+                   or judge(side, control, aa, *args, magnitude=weighed,
+                            honest=_pooled(recorded, honest or {}, where, line)), where, line)
+
+
+def _pooled(verdict, honest: dict[int, TokenAudit], where: str, line: int) -> list:
+    """The honest deficits a verdict pooled (its honest_seeds): each an earlier control of the base tree that
+    passed; a seed that names anything else (another commit's control, a failed one, a later record) is refused."""
+    seeds = verdict.honest_seeds or []
+    unknown = [s for s in seeds if s not in honest]
+    if unknown:
+        raise TraceError(line, f"{where}: pools the deficits of audit {unknown[0]}, which is no earlier control of the "
+                               f"base tree that passed")
+    return [honest[s].control for s in seeds]
 
 
 def _invalid(event: TokenAudit, side: str, line: int, where: str):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from pathlib import Path
 from typing import Callable
 
 from agent.run import budget
@@ -21,9 +22,10 @@ from agent.stages.completions import ANSWER_ERRORS
 from agent.stages.parity import CalledOff, fresh_parity
 from agent.stages.stats import accepts
 from agent.stages.surface import engine_args_violation, surface_violation
-from agent.stages.token_audit import audit_passed, describe, run_audit
+from agent.stages.token_audit import audit_passed, base_controls, describe, run_audit
 from sandbox.base import SandboxError, Server
 from sandbox.host import describe_snapshot, server_snapshot
+from traces import read_trace
 from traces.schema import (BenchReport, Decision, NullCheck, PatchApplied, Proposal, SampleTaken, Stage,
                            TokenAudit)
 
@@ -61,6 +63,11 @@ class Judge:
         """Shares of the night's error budget the trace has recorded (agent/run/budget.py): a resume goes on counting."""
         self.nulls_checked = self.spent
         """The budget index of the last null check (acceptance.null_every); a resumed run checks from its next one."""
+        path = getattr(setup.trace, "path", None)
+        self.honest = base_controls([r.event for r in read_trace(path)] if path and Path(path).is_file() else [],
+                                    setup.base_commit)
+        """The base tree's controls audited so far (token_audit.base_controls), the magnitude test's honest pool; a
+        resumed run starts from its trace's, and Recheck shares the list."""
         self.recheck = None
         """agent/run/recheck.py's Recheck where a flagged incumbent is confirmed and taken back (the single-GPU loop);
         without one, a control that fails is only left out as the candidate's reference."""
@@ -272,8 +279,10 @@ class Judge:
     def audit(self, n: int, outputs, confirmation: int = 0, control=None) -> TokenAudit:
         event = run_audit(n, self.reference, outputs, self.task.audit, self.task.benchmark.request_timeout_s,
                           self.task.acceptance.confidence, control, self.calibration, confirmation,
-                          vocab_size=self.s.vocab_size, expected_tokens=self.task.workload.output_len)
+                          vocab_size=self.s.vocab_size, expected_tokens=self.task.workload.output_len,
+                          commit=self.s.workspace.head() if control is not None else "", honest=list(self.honest))
         self.emit(event)
+        self.honest += base_controls([event], self.s.base_commit)
         return event
 
     def decide(self, report: BenchReport) -> Decision:

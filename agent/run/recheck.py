@@ -7,7 +7,9 @@ incumbent's server (the one that failed, not a fresh one) runs the A/A's passes 
 `incumbent_reverted` record, a new commit restoring the tree of the commit before that keep (its
 `Nightshift-Trace-Event` trailer names the record; history is never rewritten), a `reverted` record, and the
 incumbent served from it. The candidate whose benchmark found it is measured again on the new head (`remeasured`).
-At the end of a run the branch head is audited once more on fresh prompts, and taken back the same way.
+At the end of a run the branch head is audited once more on fresh prompts (a failure confirmed on fresh prompts
+again), and taken back the same way. The magnitude test's honest deficits are the A/A's and the base tree's own
+controls of the run (token_audit.base_controls), not the A/A's alone.
 A baseline that fails twice has no keep to take back: the run stops (the reference itself is in doubt)."""
 from __future__ import annotations
 
@@ -61,9 +63,12 @@ def revert_message(run_id: str, event: IncumbentReverted, sha: str) -> str:
 
 class Recheck:
     def __init__(self, setup: RunSetup, reference: Server, incumbent: Incumbent, calibration: TokenAudit | None,
-                 emit: Callable, on_revert: Callable[[float], None] = lambda speedup: None):
+                 emit: Callable, on_revert: Callable[[float], None] = lambda speedup: None,
+                 honest: list[TokenAudit] | None = None):
         self.s, self.reference, self.incumbent, self.calibration = setup, reference, incumbent, calibration
         self.emit, self.on_revert = emit, on_revert
+        self.honest = honest if honest is not None else []
+        """The base tree's controls audited so far (the Judge's list): pooled with the A/A as honest deficits."""
 
     def audit_incumbent(self, n: int, confirmation: int = 0) -> TokenAudit:
         """The incumbent's server on fresh prompts under the benchmark load, as many passes as the A/A, judged against
@@ -75,7 +80,7 @@ class Recheck:
         event = run_audit(n, self.reference, [o for p in passes for o in p.requests()], task.audit,
                           task.benchmark.request_timeout_s, task.acceptance.confidence, None, self.calibration,
                           confirmation, vocab_size=self.s.vocab_size, expected_tokens=task.workload.output_len,
-                          incumbent=True, commit=self.s.workspace.head())
+                          incumbent=True, commit=self.s.workspace.head(), honest=list(self.honest))
         self.emit(event)
         return event
 
@@ -90,12 +95,18 @@ class Recheck:
         return False
 
     def final(self) -> None:
-        """The end of a run: the branch head audited once more on fresh prompts, taken back while it fails."""
+        """The end of a run: the branch head audited once more on fresh prompts; a failure is confirmed on fresh
+        prompts again, as a flagged control is (an honest head fails both at most (1 - confidence)^2 of runs), and
+        the head taken back while both fail."""
         while lineage(read_trace(self.s.run_dir / "trace.jsonl")):
             event = self.audit_incumbent(0)
             if audit_passed(event):
                 return
-            self.revert(0, 0, event, f"at the end of the run, on fresh prompts: {describe(event)}")
+            again = self.audit_incumbent(0, 1)
+            if audit_passed(again):
+                return
+            self.revert(0, 1, again, f"at the end of the run, on fresh prompts: {describe(event)}; and again: "
+                                     f"{describe(again)}")
 
     def revert(self, n: int, confirmation: int, failed: TokenAudit, reason: str) -> str:
         keeps = lineage(read_trace(self.s.run_dir / "trace.jsonl"))

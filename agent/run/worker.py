@@ -155,7 +155,8 @@ class Worker:
             self.move(head, "incumbent" if self.sink is not None else f"incumbent-{head[:12]}")
         if self.on_revert is not None and self.baseline.calibration is not None:
             self.recheck = self.judge.recheck = Recheck(self.setup, self.baseline.reference, self.incumbent,
-                                                        self.baseline.calibration, self.emit, self.on_revert)
+                                                        self.baseline.calibration, self.emit, self.on_revert,
+                                                        self.judge.honest)
         self.stage = "idle"
         self.status()
         return self.drain()

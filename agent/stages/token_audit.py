@@ -229,8 +229,20 @@ def magnitude_p(side: AuditSide, honest: list[AuditSide | None]) -> tuple[float,
                          + special.gammaln(k + m - j + 1))) if j else 1.0), j
 
 
+def base_controls(audits, base_commit: str) -> list[TokenAudit]:
+    """The base tree's own honest outputs among `audits` (TokenAudit records, in trace order): the controls of
+    candidates' audits measured while the incumbent served the base commit, whose control verdicts passed. They join
+    the magnitude test's honest deficits: one A/A's tail is too thin a reference (in CI an A/A's largest deficit was
+    0.69 nats while the same baseline's controls in the same run reached 1.56 and 2.06, and an exact kept change was
+    taken back at the run's end: 11 of 273 deficits above 0.69, p=0.00067)."""
+    return [a for a in audits if isinstance(a, TokenAudit) and not a.calibration and not a.incumbent
+            and base_commit and a.commit == base_commit and a.control is not None
+            and a.control_verdict is not None and a.control_verdict.passed]
+
+
 def judge(side: AuditSide, control: AuditSide | None, calibration: AuditSide | None, hard_bound_nats: float,
-          rate_ratio: float, confidence: float, magnitude: bool = True) -> AuditVerdict:
+          rate_ratio: float, confidence: float, magnitude: bool = True,
+          honest: list[AuditSide] = ()) -> AuditVerdict:
     """The audit rule, in one place (the loop, verify and replay all call it).
 
     1. Hard bound: a token more than `hard_bound_nats` below the reference's top-1 rejects at once.
@@ -246,7 +258,8 @@ def judge(side: AuditSide, control: AuditSide | None, calibration: AuditSide | N
        overdispersion; Bonferroni over the requests. It catches a corruption confined to a few requests that the
        overall rate dilutes.
     4. Magnitude (`magnitude`; traces written before it replay without): the candidate's deficits above every
-       honest one (magnitude_p): errors larger than any honest run beside it produced, however few.
+       honest one (magnitude_p): errors larger than any honest run beside it produced, however few. The honest
+       deficits: the control's, the A/A's and `honest` (the base tree's earlier controls, `base_controls`).
     Rejects where a p-value is below 1 - confidence."""
     alpha = 1.0 - confidence
     bound_violations = [v for v in side.values if v > hard_bound_nats + EPSILON_NATS]
@@ -272,7 +285,7 @@ def judge(side: AuditSide, control: AuditSide | None, calibration: AuditSide | N
             tails = (stats.betabinom.sf(c - 1, n, q * (1 / rho - 1), (1 - q) * (1 / rho - 1)) if rho > 0
                      else stats.binom.sf(c - 1, n, q))
             concentration_p = min(1.0, len(side.per_request) * float(np.min(tails)))
-    magnitude_p_value, beyond = magnitude_p(side, [control, calibration]) if magnitude else (None, 0)
+    magnitude_p_value, beyond = magnitude_p(side, [control, calibration, *honest]) if magnitude else (None, 0)
     common = dict(hard_bound_nats=hard_bound_nats, rate_ratio=rate_ratio, alpha=alpha, reference=ref_name,
                   reference_non_top1=ref.non_top1 if ref else 0, reference_tokens=ref.tokens if ref else 0,
                   rate_p_value=rate_p, concentration_p_value=concentration_p, magnitude_p_value=magnitude_p_value)
@@ -293,7 +306,7 @@ def judge(side: AuditSide, control: AuditSide | None, calibration: AuditSide | N
             f"{side.request_tokens[worst_request]} tokens not the reference's top-1, against {against} "
             f"(p={concentration_p:.2g} < {alpha:g} over {len(side.per_request)} requests)"))
     if magnitude_p_value is not None and magnitude_p_value < alpha * MAGNITUDE_SHARE:
-        top = max(v for h in (control, calibration) if h is not None for v in h.values)
+        top = max(v for h in (control, calibration, *honest) if h is not None for v in h.values)
         return AuditVerdict(passed=False, test="magnitude", **common, reason=(
             f"{beyond} of its {len(side.values)} non-top-1 tokens lie further below the reference's top-1 than any of "
             f"the honest runs' (max {top:.3f} nats; its max {max(side.values):.3f}; p={magnitude_p_value:.2g} < "
@@ -335,11 +348,13 @@ def run_audit(candidate: int, reference: Server, outputs: list[Output], audit: A
               confidence: float, control_outputs: list[Output] | None = None,
               calibration: TokenAudit | None = None, confirmation: int = 0, is_calibration: bool = False,
               vocab_size: int | None = None, expected_tokens: int | None = None, incumbent: bool = False,
-              commit: str = "") -> TokenAudit:
+              commit: str = "", honest: list[TokenAudit] = ()) -> TokenAudit:
     """Check every output (ids in [0, vocab_size), `expected_tokens` each), score the chosen valid ones (and the
     control's, drawn with the same seed) on the reference, then judge them: the candidate against the control and
     the A/A, the control against the A/A. Raises ReferenceFailed if the reference cannot answer at all.
-    `incumbent`: the incumbent's own outputs on fresh prompts, judged against the A/A alone."""
+    `incumbent`: the incumbent's own outputs on fresh prompts, judged against the A/A alone. `commit`: the commit
+    the incumbent served (the control's, in a candidate's audit). `honest`: the base tree's earlier controls
+    (`base_controls`), pooled into the magnitude test's honest deficits."""
     started, seed = time.perf_counter(), secrets.randbits(63)
     invalid = invalid_outputs(outputs, vocab_size, expected_tokens) if not is_calibration else []
     if control_outputs is not None:
@@ -368,10 +383,11 @@ def run_audit(candidate: int, reference: Server, outputs: list[Output], audit: A
     violations = violations_of(chosen[0], scored[0], audit.hard_bound_nats)
     reference_side = calibration.side if calibration else None
     rule = (audit.hard_bound_nats, audit.rate_ratio, confidence)
+    pool = dict(honest=[a.control for a in honest])
     control_verdict = None
     if control is not None and calibration is not None:
         control_verdict = (invalid_verdict(invalid, counts["control"], *rule, side="control") if control_bad
-                           else judge(control, None, reference_side, *rule))
+                           else judge(control, None, reference_side, *rule, **pool))
         control_verdict.calibration_seed = calibration.sample_seed
     if is_calibration:
         verdict = None
@@ -379,7 +395,10 @@ def run_audit(candidate: int, reference: Server, outputs: list[Output], audit: A
         verdict = invalid_verdict(invalid, counts["candidate"], *rule)
     else:  # a control that fails its own audit is no reference for the candidate
         trusted = None if control_bad or (control_verdict is not None and not control_verdict.passed) else control
-        verdict = judge(side, trusted, reference_side, *rule)
+        verdict = judge(side, trusted, reference_side, *rule, **pool)
+    for v in (verdict, control_verdict):
+        if v is not None and v.test != "invalid":
+            v.honest_seeds = [a.sample_seed for a in honest]
     if verdict is not None and calibration is not None:
         verdict.calibration_seed = calibration.sample_seed
     recorded = [e for name in names for e in [e for e in invalid if e.side == name][:MAX_RECORDED_INVALID]]

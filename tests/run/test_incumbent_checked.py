@@ -135,6 +135,9 @@ def test_the_end_of_run_audit_takes_back_a_head_that_turned_wrong_and_replay_re_
     assert decisions(setup)[1].verdict == "keep", decisions(setup)[1].reason
     [reverted] = events(setup, "incumbent_reverted")
     assert reverted.candidate == 0 and reverted.kept_by == 1 and "end of the run" in reverted.reason
+    ends = [a for a in events(setup, "audit") if a.incumbent]  # failed, and failed again on fresh prompts
+    assert [(a.candidate, a.confirmation, a.verdict.passed) for a in ends] == [(0, 0, False), (0, 1, False)]
+    assert reverted.audit_seed == ends[1].sample_seed
     assert finished.kept == 0 and finished.best_speedup == pytest.approx(1.0)
     repo = git.Repo(setup.repo.working_dir)
     assert repo.commit(finished.head_commit).tree == repo.commit(setup.base_commit).tree
@@ -144,7 +147,8 @@ def test_the_end_of_run_audit_takes_back_a_head_that_turned_wrong_and_replay_re_
     records = read_trace(setup.run_dir / "trace.jsonl")
     check_decisions(records)
     forged = [r.model_copy(deep=True) for r in records]
-    failing = next(r for r in forged if r.event.kind == "audit" and r.event.incumbent)
+    failing = next(r for r in forged if r.event.kind == "audit" and r.event.incumbent
+                   and r.event.sample_seed == reverted.audit_seed)
     failing.event.incumbent = False  # the failing audit of the incumbent is no longer one
     line = next(r.seq + 1 for r in forged if r.event.kind == "incumbent_reverted")
     with pytest.raises(TraceError, match=f"trace line {line}: .*taken back, but the incumbent's audit"):

@@ -92,6 +92,39 @@ def test_the_task_field_keeps_its_old_name_and_the_built_in_tasks_use_the_defaul
         assert (a.hard_bound_nats, a.rate_ratio) == (6.0, 2.0)
 
 
+def recorded_sides(name: str) -> dict:
+    data = json.loads((ROOT / "tests" / "fixtures" / "audit" / name).read_text())
+    return {k: [AuditSide(**s) for s in v] if isinstance(v, list) else AuditSide(**v)
+            for k, v in data.items() if k != "source"}
+
+
+def test_an_exact_kept_change_is_not_taken_back_for_a_thin_a_a_tail():
+    """Recorded in CI: an A/A whose largest deficit was 0.69 nats, the same baseline's controls in that run up to
+    1.56 and 2.06, and the kept exact change's end-of-run audit with 11 of 273 deficits above 0.69 (none above
+    2.06). Against the A/A alone the magnitude test took the change back; with the base tree's controls pooled
+    (token_audit.base_controls) it stands."""
+    s = recorded_sides("thin-aa-tail.json")
+    alone = judge(s["final_incumbent"], None, s["a_a"], 6.0, 2.0, 0.95)
+    assert not alone.passed and alone.test == "magnitude" and alone.magnitude_p_value < 0.001
+    pooled = judge(s["final_incumbent"], None, s["a_a"], 6.0, 2.0, 0.95, honest=s["base_controls"])
+    assert pooled.passed and pooled.magnitude_p_value == 1.0, pooled.reason
+    for control in s["base_controls"]:  # the baseline's own outputs pass beside each other
+        others = [c for c in s["base_controls"] if c is not control]
+        assert judge(control, None, s["a_a"], 6.0, 2.0, 0.95, honest=others).passed
+
+
+def test_errors_beyond_every_honest_deficit_still_fail_with_the_pool():
+    """The adversary the pool must not let through: the same incumbent, its rate unchanged, a dozen of its deficits
+    raised to 2.5-4 nats (inside the hard bound, beyond every honest one of the run)."""
+    s = recorded_sides("thin-aa-tail.json")
+    wrong = s["final_incumbent"].model_copy(deep=True)
+    order = sorted(range(len(wrong.values)), key=lambda i: -wrong.values[i])
+    for k, i in enumerate(order[:12]):
+        wrong.values[i] = 2.5 + 0.125 * k
+    verdict = judge(wrong, None, s["a_a"], 6.0, 2.0, 0.95, honest=s["base_controls"])
+    assert not verdict.passed and verdict.test == "magnitude" and "max 2.062" in verdict.reason, verdict.reason
+    assert verdict.rate_p_value > 0.5  # the rate alone would not see it
+
 # --- rates by simulation from recorded deficits ---------------------------------------------------------------
 
 def test_false_rejects_by_simulation_from_recorded_deficits_stay_under_one_percent():
@@ -225,6 +258,19 @@ def test_replay_catches_a_tampered_deficit_at_its_record(noisy_run):
         event.side.values[0] = 9.0
     forged, line = tampered(2, past_the_bound)
     with pytest.raises(TraceError, match=f"trace line {line}"):
+        check_decisions(forged)
+
+    # candidate 2's verdicts pooled candidate 1's control (the base tree's own outputs, passed) as honest deficits
+    first = next(r.event for r in records if r.event.kind == "audit" and r.event.candidate == 1)
+    second = next(r.event for r in records if r.event.kind == "audit" and r.event.candidate == 2)
+    assert first.commit == second.commit == setup.base_commit and first.control_verdict.passed
+    assert second.verdict.honest_seeds == second.control_verdict.honest_seeds == [first.sample_seed]
+    calibration = next(r.event for r in records if r.event.kind == "audit" and r.event.calibration)
+
+    def pools_the_a_a(event):  # a seed that is no base-tree control: the A/A counted twice
+        event.verdict.honest_seeds = [calibration.sample_seed]
+    forged, line = tampered(2, pools_the_a_a)
+    with pytest.raises(TraceError, match=f"trace line {line}: .*no earlier control of the base tree"):
         check_decisions(forged)
     assert audit(setup.run_dir).records == len(records)  # the untouched run still passes
 
