@@ -174,9 +174,17 @@ def test_a_pack_whose_vllm_differs_or_whose_branch_went_on_is_refused(task_file,
     broken = tmp_path / "broken.tgz"
     broken.write_bytes(bytes(data[:len(data) // 2]))
     assert "cannot read the pack" in cli("run", "--resume", str(broken), "--runs-dir", str(tmp_path / "c")).stderr
-    # the run's own checkout went on past the pack: resuming the pack into it would fork the run
+    # the run's own checkout went on past the pack: resuming the pack into it would fork the run. The resumed run
+    # finishes; whether its faster candidate 3 is kept depends on the machine's load, so the branch is taken past
+    # the pack's head by a commit of its own, as a keep would
     resumed = harness("resume", str(run_a))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    repo, branch = git.Repo(fake_checkout), f"nightshift/{run_a.name}"
+    tip = repo.git.rev_parse(branch)
+    went_on = repo.git.commit_tree(f"{tip}^{{tree}}", "-p", tip, "-m", "the run went on",
+                                   env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@localhost",
+                                        "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@localhost"})
+    repo.git.update_ref(f"refs/heads/{branch}", went_on, tip)
     refused = cli("run", "--resume", str(pack), "--runs-dir", str(tmp_path / "d"), "--checkout", str(fake_checkout))
     assert refused.returncode == 2 and "does not contain" in refused.stderr, refused.stderr
 
