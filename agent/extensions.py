@@ -21,10 +21,14 @@ interval keeps a candidate, and every reader (the judge, replay, the report, the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from sandbox.base import Sandbox, Server
 from sandbox.registry import BACKENDS, Backend, Registry, register_backend, resolve
+
+if TYPE_CHECKING:  # annotations only: these modules import this one
+    from agent.proposers.base import Attempt, ProposalContext
+    from traces.schema import Proposal, Record
 
 
 class Proposer(Protocol):

@@ -1,7 +1,6 @@
 """A task's `sandbox` section: which backend runs the servers, and the limits it sets."""
 from __future__ import annotations
 
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 

@@ -2,14 +2,16 @@
 
 Beside other work on the machine (a test suite, another job), the two sides of a benchmark share the cores with
 it, and the pass-to-pass spread grows with what the neighbour happens to do. Started at a lower niceness
-(`sandbox.nice`, default -10), every process of a server, and the harness's client thread while it measures
+(`sandbox.nice`, off by default), every process of a server, and the harness's client thread while it measures
 (`raised`), weighs about 9 times a process at nice 0 in the kernel's fair scheduler (its weights go by 1.25 a
 step): the neighbour keeps what they leave. Among the measured processes nothing changes, since all are raised
-alike, and a quiet machine has nothing to take from (benchmarks/results/cpu-judge.md, "Beside the test suite, at
+alike. Measured beside the test suite at -10, the per-pair SD was no lower (0.158 against 0.171) and the suite's
+own tests starved, so it is off unless a task sets it (benchmarks/results/cpu-judge.md, "Beside the test suite, at
 nice -10").
 
 Going below nice 0 needs root or CAP_SYS_NICE. Where that is refused, the servers run at the harness's own
-niceness, the client is not raised, and each sample records the niceness its client and server had (`nice`).
+niceness, the client is not raised, and each sample records the niceness its client and server had
+(`client_nice`, `server_nice`).
 A Docker container's processes are not the harness's children and sit in the container's own cgroup, where a
 niceness weighs only against the container's other processes: that backend does not set one (its servers report
 None and the client stays as it is).
@@ -19,9 +21,8 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from pathlib import Path
 
-REFUSED = "lowering a niceness needs root or CAP_SYS_NICE"
+from sandbox.host import stat_fields
 
 
 def of(pid: int | None) -> int | None:
@@ -29,7 +30,7 @@ def of(pid: int | None) -> int | None:
     if pid is None:
         return None
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+        return int(stat_fields(pid)[16])
     except (OSError, IndexError, ValueError):
         return None
 

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Protocol
+from typing import Any, Callable, Literal
 
 from agent.extensions import Proposer  # declared there, with every extension point
+
+__all__ = ["Attempt", "ProposalContext", "Proposer", "ProposerExhausted", "START_LOG"]
 from agent.world.task import Task
-from traces.schema import AnyEvent, Decision, Proposal, Record
+from traces.schema import AnyEvent, Decision, Proposal
 
 
 @dataclass

@@ -123,7 +123,6 @@ def llm_funnel(events: list[Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":  # python -m agent.proposers.funnel runs/<id>/trace.jsonl
-    import json
     import sys
     from pathlib import Path
 

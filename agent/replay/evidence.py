@@ -147,6 +147,7 @@ def _check_audit(event: TokenAudit, line: int, rule: Audit, acceptance: Acceptan
     `honest`: the trace's earlier base-tree controls by seed (token_audit.base_controls), the only audits a verdict
     may pool as honest deficits."""
     where = f"audit of candidate {event.candidate}" + (" (the A/A)" if event.calibration else "")
+    honest = honest or {}
     side = event.side
     if side is None:  # written before the rate rule: violations against the tolerance alone
         if (event.violation_count == 0) != (event.deficits.max <= event.tolerance_nats):
@@ -179,13 +180,13 @@ def _check_audit(event: TokenAudit, line: int, rule: Audit, acceptance: Acceptan
         _check_verdict(event.control_verdict, _invalid(event, "control", line, where)
                        or judge(event.control, None, aa, *args,
                                 magnitude=event.control_verdict.magnitude_p_value is not None,
-                                honest=_pooled(event.control_verdict, honest or {}, f"{where}, its control", line)),
+                                honest=_pooled(event.control_verdict, honest, f"{where}, its control", line)),
                        f"{where}, its control", line)
         if not event.control_verdict.passed:
             control = None  # a control that fails its own audit is no reference for the candidate
     _check_verdict(recorded, _invalid(event, "candidate", line, where)
                    or judge(side, control, aa, *args, magnitude=weighed,
-                            honest=_pooled(recorded, honest or {}, where, line)), where, line)
+                            honest=_pooled(recorded, honest, where, line)), where, line)
 
 
 def _pooled(verdict, honest: dict[int, TokenAudit], where: str, line: int) -> list:

@@ -5,7 +5,6 @@ read from the trace's `error_spent` records, so a resumed run continues it rathe
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 from traces.schema import ErrorSpent
 
@@ -24,10 +23,6 @@ def spend(night_alpha: float, candidate: int, index: int) -> ErrorSpent:
                       night_alpha=night_alpha, confidence=1.0 - 2.0 * alpha)
 
 
-def spent_index(trace_path: Path | None) -> int:
-    """How many shares the run's trace has recorded so far."""
-    if trace_path is None or not Path(trace_path).exists():
-        return 0
-    from traces import read_trace
-
-    return sum(isinstance(r.event, ErrorSpent) for r in read_trace(trace_path))
+def spent_index(events: list) -> int:
+    """How many shares the run's trace has recorded so far (`events`: its records' events)."""
+    return sum(isinstance(event, ErrorSpent) for event in events)

@@ -59,13 +59,14 @@ class Judge:
         self.s, self.task, self.pool, self.emit = setup, setup.task, pool, emit
         self.reference, self.incumbent, self.calibration = reference, incumbent, calibration
         self.dedicated_parity = dedicated_parity
-        self.spent = budget.spent_index(getattr(setup.trace, "path", None)) if setup.task.acceptance.night_alpha else 0
+        path = getattr(setup.trace, "path", None)
+        recorded = [r.event for r in read_trace(path)] if path and Path(path).is_file() else []
+        """What a resumed run's trace holds already (read once): its spent shares and its base controls."""
+        self.spent = budget.spent_index(recorded) if setup.task.acceptance.night_alpha else 0
         """Shares of the night's error budget the trace has recorded (agent/run/budget.py): a resume goes on counting."""
         self.nulls_checked = self.spent
         """The budget index of the last null check (acceptance.null_every); a resumed run checks from its next one."""
-        path = getattr(setup.trace, "path", None)
-        self.honest = base_controls([r.event for r in read_trace(path)] if path and Path(path).is_file() else [],
-                                    setup.base_commit)
+        self.honest = base_controls(recorded, setup.base_commit)
         """The base tree's controls audited so far (token_audit.base_controls), the magnitude test's honest pool; a
         resumed run starts from its trace's, and Recheck shares the list."""
         self.recheck = None

@@ -13,7 +13,7 @@ from typing import Callable
 
 from agent.run.reaping import reap_workers
 from agent.run.setup import RunSetup
-from agent.run.worker import Worker, WorkerResult, plain_setup
+from agent.run.worker import Worker, plain_setup
 from sandbox.local import reap_servers
 from traces.errors import NightshiftError
 from traces.schema import Proposal

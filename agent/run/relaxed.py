@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from pydantic import BaseModel
-from pydantic_core import PydanticUndefined
 
 
 def _lower(value, reference) -> bool:

@@ -125,7 +125,7 @@ def invalid_outputs(outputs: list[Output], vocab_size: int | None, expected_toke
             ((i, t) for i, t in enumerate(tokens) if type(t) is not int), None)
         if tokens is None or bad_type is not None:
             found.append(InvalidOutput(**where, kind="malformed", position=bad_type[0] if bad_type else None,
-                                       detail=f"not a list of integer token ids"
+                                       detail="not a list of integer token ids"
                                               + (f" ({bad_type[1]!r} at position {bad_type[0]})" if bad_type else "")))
         elif expected_tokens is not None and len(tokens) != expected_tokens:
             found.append(InvalidOutput(**where, kind="count", limit=expected_tokens,

@@ -145,19 +145,18 @@ def smallest_caught(source: Source, kind: str, grid: list[float], trials: int, s
     return None, 0.0
 
 
-def magnitude_rejects_by_sample(pooled: int, draws: int = 4000, seed: int = 1, path: Path = CPU_DATA) -> float:
+def magnitude_rejects_by_sample(pooled: int, draws: int = 4000, seed: int = 1, confidence: float = 0.95,
+                                path: Path = CPU_DATA) -> float:
     """The magnitude test's false-reject rate with whole recorded samples as the units (one side of each recorded
     benchmark: its twin shares its prompts): an honest side judged against `pooled` other honest samples. Drawing
     requests, as `Source` does, mixes every sample's tail into each side and cannot see that the largest deficit is
     a property of the sample's prompts (0.56-2.69 nats across the recorded benchmarks)."""
-    data = json.loads(path.read_text())
-    fields = ("requests", "tokens", "non_top1", "per_request", "request_tokens", "values")
-    samples = [AuditSide(**{k: s[k] for k in fields}) for s in data["sides"][::2]]
+    samples = [AuditSide.model_validate(s) for s in json.loads(path.read_text())["sides"][::2]]
     rng = np.random.default_rng(seed)
     hits = 0
     for _ in range(draws):
         first, *rest = rng.choice(len(samples), pooled + 1, replace=False)
-        hits += magnitude_p(samples[first], [samples[i] for i in rest])[0] < (1 - 0.95) * MAGNITUDE_SHARE
+        hits += magnitude_p(samples[first], [samples[i] for i in rest])[0] < (1 - confidence) * MAGNITUDE_SHARE
     return hits / draws
 
 

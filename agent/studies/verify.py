@@ -171,11 +171,11 @@ def side(samples: list, prompts: int) -> dict:
     out = {"completed": prompts, "passes": len(samples), "duration": med([s.seconds for s in samples]),
            "total_input_tokens": samples[0].input_tokens, "total_output_tokens": samples[0].output_tokens,
            "request_throughput": med([prompts / s.seconds for s in samples])}
-    for key, field in METRICS.items():
-        if field:
-            out[key] = med([getattr(s, field) for s in samples])
-    for key, field in LATENCIES.items():
-        out[key] = med([getattr(s, field) for s in samples if getattr(s, field) is not None])
+    for key, attr in METRICS.items():
+        if attr:
+            out[key] = med([getattr(s, attr) for s in samples])
+    for key, attr in LATENCIES.items():
+        out[key] = med([getattr(s, attr) for s in samples if getattr(s, attr) is not None])
     return out
 
 
@@ -183,13 +183,13 @@ def speedups(samples: list, prompts: int, confidence: float) -> dict:
     base = [s for s in samples if s.role == "incumbent"]
     head = [s for s in samples if s.role == "candidate"]
     out = {}
-    for key, field in METRICS.items():
-        value = (lambda s: prompts / s.seconds) if field is None else (lambda s, f=field: getattr(s, f))
+    for key, attr in METRICS.items():
+        value = (lambda s: prompts / s.seconds) if attr is None else (lambda s, f=attr: getattr(s, f))
         e = estimate_speedup([value(s) for s in head], [value(s) for s in base], 1.0, confidence)
         out[key] = {"speedup": e.speedup, "ci_low": e.ci_low, "ci_high": e.ci_high, "p_value": e.p_value}
-    for key, field in LATENCIES.items():
-        b = [getattr(s, field) for s in base if getattr(s, field)]
-        h = [getattr(s, field) for s in head if getattr(s, field)]
+    for key, attr in LATENCIES.items():
+        b = [getattr(s, attr) for s in base if getattr(s, attr)]
+        h = [getattr(s, attr) for s in head if getattr(s, attr)]
         out[key] = {"ratio": float(np.median(h) / np.median(b))} if b and h else None
     return out
 
