@@ -228,9 +228,26 @@ def margin(prefix: list[int]) -> float:
     return (top1(prefix) % 200) / 100
 
 
-def logprob(prefix: list[int], token: int) -> float:
+PROCESS_SALT = os.urandom(8)
+
+
+def ranked(prefix: list[int]) -> tuple[int, int]:
+    """This process's best and second-best tokens. `process_flips: s` (any mode): at a near tie (margin under
+    `process_tie`, 0.5 nats by default) a share s of prefixes rank the two the other way round, drawn per process, as
+    GPU servers of one build differ in the kernels each picks at start: a server scores its own outputs closer than
+    another's."""
     best = top1(prefix)
-    return -0.25 if token == best else -0.25 - margin(prefix) if token == best + 1 else -8.25
+    share = config.get("process_flips")
+    if share and margin(prefix) < config.get("process_tie", 0.5):
+        digest = hashlib.sha256(PROCESS_SALT + json.dumps(prefix).encode()).digest()
+        if int.from_bytes(digest[:4], "little") < share * 2 ** 32:
+            return best + 1, best
+    return best, best + 1
+
+
+def logprob(prefix: list[int], token: int) -> float:
+    best, second = ranked(prefix)
+    return -0.25 if token == best else -0.25 - margin(prefix) if token == second else -8.25
 
 
 def honest_flip(prefix: list[int]) -> bool:
@@ -281,7 +298,7 @@ def next_token(prefix: list[int], crowded: bool, picked: bool = False) -> int:
     near_tie = margin(prefix) < config.get("near_tie", 0.1)  # neartie: only under load; reordered: always
     if near_tie and (config["mode"] == "reordered" or config["mode"] == "neartie" and crowded):
         return top1(prefix) + 1
-    return top1(prefix)
+    return ranked(prefix)[0]
 
 
 def generate(prompt: list[int], count: int, crowded: bool, picked: bool = False, stops=()):
@@ -403,12 +420,12 @@ class Handler(BaseHTTPRequestHandler):
         choice = {"index": 0, "text": "", "token_ids": [t for _, t in steps]}
         if body.get("logprobs"):
             choice["logprobs"] = {"top_logprobs": [
-                {f"token_id:{top1(p)}": -0.25, f"token_id:{top1(p) + 1}": -0.25 - margin(p)} for p, _ in steps]}
+                {f"token_id:{ranked(p)[0]}": -0.25, f"token_id:{ranked(p)[1]}": -0.25 - margin(p)} for p, _ in steps]}
         if body.get("prompt_logprobs"):
             prompt = body["prompt"]
             entries = [None]
             for k in range(1, len(prompt)):
-                best, token = top1(prompt[:k]), prompt[k]
+                best, token = ranked(prompt[:k])[0], prompt[k]
                 entry = {str(token): {"logprob": logprob(prompt[:k], token), "rank": 1 if token == best else 2}}
                 entry.setdefault(str(best), {"logprob": -0.25, "rank": 1})
                 entries.append(entry)

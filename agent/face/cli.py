@@ -316,7 +316,7 @@ def noise(task_file: str = typer.Argument(DEFAULT_TASK, help=TASK_HELP),
           runs_dir: Path = typer.Option(Path("runs"), help="where the study's folder is written")):
     """What this machine's benchmark can see: false accepts and the minimum detectable effect from repeated
     A/As, and how often a known effect is detected; servers start once (runs/<id>/noise.json, noise.md)."""
-    from agent.run.preflight import check_run
+    from agent.run.preflight import check_run, study_servers
     from agent.run.setup import new_run_id, prepare_run
 
     if aa < 0 or repeat < 1:
@@ -328,7 +328,7 @@ def noise(task_file: str = typer.Argument(DEFAULT_TASK, help=TASK_HELP),
             fail(f"patch file not found: {path}")
     task = with_settings(load_task(task_file), settings)
     check_run(task)
-    setup = prepare_run(task, runs_dir, run_id=f"noise-{new_run_id()}")
+    setup = prepare_run(task, runs_dir, run_id=f"noise-{new_run_id()}", servers=study_servers(task, 2 + len(patch)))
     return noise_study(setup, aa, patch, repeat, both_ways)
 
 

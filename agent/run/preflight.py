@@ -135,6 +135,15 @@ def step_servers(task) -> list[tuple[str, dict]]:
     return [("reference", parity), ("incumbent", engine), ("candidate's parity server", parity), ("candidate", engine)]
 
 
+def study_servers(task, copies: int) -> list[tuple[str, dict]]:
+    """The servers a study (`nightshift noise`) holds at once, all started together: the audit's reference (a parity
+    server where the task has them, as in a run; none with the audit off) and `copies` production servers."""
+    engine = dict(task.engine.args)
+    reference = {**engine, **task.parity.args} if task.parity.dedicated else engine
+    return ([("reference", reference)] if task.audit.enabled else []) + \
+        [(f"production server {i + 1}", engine) for i in range(copies)]
+
+
 def server_bytes(args: dict, weights_bytes: int, total_bytes: int) -> int:
     """What one server takes: its weights, its fixed KV cache (kv_cache_memory_bytes) and its runtime; without a
     fixed KV cache, vLLM takes gpu_memory_utilization of the whole GPU for all of it."""
@@ -143,10 +152,12 @@ def server_bytes(args: dict, weights_bytes: int, total_bytes: int) -> int:
     return int(float(args.get("gpu_memory_utilization", DEFAULT_GPU_MEMORY_UTILIZATION)) * total_bytes)
 
 
-def check_gpu_memory(task, weights_bytes: int, total_bytes: int, device: str) -> None:
-    """The servers of the busiest step fit on the GPU together; else PreflightError, since every candidate's start
-    would then fail for want of memory that the run's own servers hold, and be recorded as the candidate's crash."""
-    servers = [(name, server_bytes(args, weights_bytes, total_bytes)) for name, args in step_servers(task)]
+def check_gpu_memory(task, weights_bytes: int, total_bytes: int, device: str, servers: list | None = None) -> None:
+    """The servers of the busiest step (`servers`, a run's step_servers by default) fit on the GPU together; else
+    PreflightError, since every candidate's start would then fail for want of memory that the run's own servers
+    hold, and be recorded as the candidate's crash."""
+    consequence = "every candidate's start would fail" if servers is None else "some would fail to start"
+    servers = [(name, server_bytes(args, weights_bytes, total_bytes)) for name, args in servers or step_servers(task)]
     need = sum(size for _, size in servers)
     if need <= total_bytes:
         return
@@ -154,8 +165,8 @@ def check_gpu_memory(task, weights_bytes: int, total_bytes: int, device: str) ->
     raise PreflightError(
         f"the servers of one step do not fit on this GPU together: {each} GiB, about {need / GIB:.1f} GiB "
         f"(weights {weights_bytes / GIB:.2f} GiB each, KV caches as engine.args and parity.args set them, "
-        f"{RUNTIME_BYTES / GIB:.0f} GiB of runtime each), and the {device} has {total_bytes / GIB:.1f} GiB: every "
-        f"candidate's start would fail for want of memory. Lower kv_cache_memory_bytes or gpu_memory_utilization "
+        f"{RUNTIME_BYTES / GIB:.0f} GiB of runtime each), and the {device} has {total_bytes / GIB:.1f} GiB: "
+        f"{consequence} for want of memory. Lower kv_cache_memory_bytes or gpu_memory_utilization "
         f"(engine.args, parity.args), or run on a larger GPU")
 
 
@@ -164,7 +175,7 @@ def weights_bytes(model_dir: Path) -> int:
     return sum(p.stat().st_size for pattern in ("*.safetensors", "*.bin", "*.pt") for p in Path(model_dir).glob(pattern))
 
 
-def check_model_fits(task, model_dir: Path) -> None:
+def check_model_fits(task, model_dir: Path, servers: list | None = None) -> None:
     """check_gpu_memory on the task's first GPU, where NVML can say what it holds; nothing for a CPU task."""
     if not task.sandbox.gpus:
         return
@@ -173,4 +184,4 @@ def check_model_fits(task, model_dir: Path) -> None:
     found = gpu_memory(task.sandbox.gpus[0])
     if found is not None:
         device, total = found
-        check_gpu_memory(task, weights_bytes(model_dir), total, device)
+        check_gpu_memory(task, weights_bytes(model_dir), total, device, servers)

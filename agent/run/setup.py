@@ -130,10 +130,11 @@ class RunSetup:
 
 
 def prepare_run(task: Task, runs_dir: Path, run_id: str | None = None, vllm_version: str | None = None,
-                task_file: Task | None = None) -> RunSetup:
+                task_file: Task | None = None, servers: list | None = None) -> RunSetup:
     """Check the checkout and the model, then create the run folder, its trace and the run branch.
     `vllm_version` stands in for the installed vLLM (a test's pure-Python stand-in): nothing is linked.
-    `task_file`: the task before `--set`, against which (and its defaults) loosened checks are named."""
+    `task_file`: the task before `--set`, against which (and its defaults) loosened checks are named.
+    `servers`: the (name, engine args) a GPU holds at once, where not a run's busiest step (a study's)."""
     run_id = run_id or new_run_id()
     run_dir = Path(runs_dir).resolve() / run_id
     if run_dir.exists():
@@ -143,7 +144,7 @@ def prepare_run(task: Task, runs_dir: Path, run_id: str | None = None, vllm_vers
     repo = prepare_checkout(task, version)
     warnings = check_proposer(task, repo)
     model = prepare_model(task)
-    check_model_fits(task, model.path)
+    check_model_fits(task, model.path, servers)
     vocab_size = int(json.loads((model.path / "config.json").read_text())["vocab_size"])
     run_dir.mkdir(parents=True)
     lock = lock_run(run_dir)

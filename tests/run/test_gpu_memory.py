@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.run.preflight import GIB, PreflightError, check_gpu_memory, check_model_fits, step_servers, weights_bytes
+from agent.run.preflight import (GIB, PreflightError, check_gpu_memory, check_model_fits, step_servers, study_servers,
+                                 weights_bytes)
 from agent.world.task import load_task, with_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,6 +29,19 @@ def test_the_e2b_task_is_refused_on_an_80_gb_card_before_any_server_starts():
 
 def test_the_e2b_task_fits_the_h200_it_ran_its_candidates_on():
     check_gpu_memory(E2B, E2B_WEIGHTS, H200, "NVIDIA H200")
+
+
+def test_a_noise_study_is_counted_as_it_holds_its_servers():
+    """`nightshift noise` on an H100 was refused with the run's four servers (83 GiB), though its A/As start three:
+    the audit's reference and two production copies (68.6 GiB). With a patch it holds a fourth production server."""
+    aa = study_servers(E2B, 2)
+    assert [name for name, _ in aa] == ["reference", "production server 1", "production server 2"]
+    assert aa[0][1]["kv_cache_memory_bytes"] == 4 * GIB  # the reference is a parity server, as in a run
+    check_gpu_memory(E2B, E2B_WEIGHTS, H100, "NVIDIA H100 80GB HBM3", aa)
+    with pytest.raises(PreflightError, match="about 95.4 GiB.*some would fail to start"):
+        check_gpu_memory(E2B, E2B_WEIGHTS, H100, "NVIDIA H100 80GB HBM3", study_servers(E2B, 3))
+    unaudited = with_overrides(E2B, audit={**E2B.audit.model_dump(), "enabled": False})
+    assert [name for name, _ in study_servers(unaudited, 2)] == ["production server 1", "production server 2"]
 
 
 def test_the_step_is_counted_as_the_run_holds_it():

@@ -42,7 +42,7 @@ def test_a_a_benchmarks_and_a_known_slowdown_on_servers_started_once(setup, tmp_
     sandbox = FakeSandbox(tmp_path / "servers")
     lines = []
     data = study(setup, 3, [slow, dead], 2, sandbox=sandbox, on_line=lines.append)
-    names = ["baseline", "baseline-aa", "dead-code", "slow-4x"]
+    names = ["baseline", "baseline-aa", "dead-code", "reference", "slow-4x"]  # the audit's reference: neither side
     assert sorted(spec.name for spec in sandbox.started) == names and sorted(sandbox.stops) == names  # side by side
     assert data["summary"]["patches"]["dead-code"]["never_imported"] == ["vllm/never_imported.py"]
     aa, patch = data["summary"]["a_a"], data["summary"]["patches"]["slow-4x"]
@@ -157,6 +157,41 @@ def test_bad_study_options_are_one_clear_line(argv, message, tmp_path):
     result = CliRunner().invoke(app, ["noise", *argv, "--runs-dir", str(tmp_path / "runs")])
     assert result.exit_code == 2 and message in result.output
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_servers_that_rank_near_ties_each_their_own_way_pass_the_studys_audit(fake_model, tmp_path):
+    """On an H100 (benchmarks/results/h100-noise-20261207.md) both A/As of a study failed their token audit: the
+    study scored every output on its first server, so that server's own outputs (the control) left its top-1 at
+    1,458 of 65,536 tokens and the second copy's at 2,582. GPU servers of one build pick kernels of their own at
+    start, so each scores its own outputs closest. These stand-ins do the same (`process_flips`: at half of the near
+    ties each process ranks the two tokens its own way). A reference that is neither side, as in a run, passes them;
+    the first side as the reference (the old way, shown on the recorded audits) does not."""
+    from agent.stages.token_audit import judge
+    from tests.stand_in import stand_in_checkout
+    from traces.schema import TokenAudit
+
+    checkout = stand_in_checkout(tmp_path / "seated", {"vllm/fake_mode.json": mode("exact", 0.01, process_flips=0.5)})
+    dead_code_patch(tmp_path)  # the task's queue folder needs a patch; the study runs A/As only
+    task = fake_task(checkout, fake_model, tmp_path, **STUDY_SETTINGS)
+    setup = prepare_run(task, tmp_path / "runs", run_id=f"kernels-{tmp_path.name}"[:60], vllm_version=VERSION)
+    sandbox = FakeSandbox(tmp_path / "servers")
+    data = study(setup, 2, [], 1, sandbox=sandbox, on_line=print)
+    assert sorted(spec.name for spec in sandbox.started) == ["baseline", "baseline-aa", "reference"]
+    audits = [r.event for r in read_trace(setup.run_dir / "trace.jsonl") if isinstance(r.event, TokenAudit)]
+    calibration, rows = audits[0], audits[1:]
+    assert len(rows) == 2 and data["summary"]["a_a"]["audit"]["false_rejects"] == 0, [a.verdict for a in rows]
+    for a in rows:  # both sides scored on the reference leave its top-1 alike, and often (the kernels differ)
+        assert a.side.non_top1 > 0.05 * a.side.tokens and a.control.non_top1 > 0.05 * a.control.tokens
+        assert 0.5 < a.side.non_top1 / a.control.non_top1 < 2
+    # The adversary of this test: a study that scores on its first side. That side's own outputs (the control and
+    # the study's audit A/A), scored by itself, never leave its top-1 here; the same honest A/A then fails.
+    def self_scored(side):
+        return side.model_copy(update={"non_top1": 0, "per_request": [0] * side.requests, "values": []})
+    a = task.audit
+    verdict = judge(rows[0].side, self_scored(rows[0].control), self_scored(calibration.side),
+                    a.hard_bound_nats, a.rate_ratio, task.acceptance.confidence)
+    assert not verdict.passed and verdict.test == "rate", verdict
 
 
 @pytest.mark.slow
