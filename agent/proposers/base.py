@@ -6,10 +6,10 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from agent.extensions import Proposer  # declared there, with every extension point
-
-__all__ = ["Attempt", "ProposalContext", "Proposer", "ProposerExhausted", "START_LOG"]
 from agent.world.task import Task
 from traces.schema import AnyEvent, Decision, Proposal
+
+__all__ = ["Attempt", "ProposalContext", "Proposer", "ProposerExhausted", "START_LOG"]
 
 
 @dataclass

