@@ -25,6 +25,7 @@ from agent.studies.grid import GIB, Cell, GridPlan, context_limit, cpu_kv_space_
 from agent.stages.parity import ReferenceFailed, check_parity
 from agent.world.paths import cache_root
 from agent.run.pool import ServerPool, ServerRequest
+from agent.run.preflight import check_model_fits
 from agent.stages.completions import ANSWER_ERRORS, draw_prompts
 from agent.stages.stats import estimate_speedup
 from agent.run.relaxed import describe as describe_relaxed, relaxed
@@ -359,6 +360,11 @@ def _measure(target: Target, plan: GridPlan, model_dir: Path, base_args: dict, h
         if dedicated:
             requests += [ServerRequest("reference", base_tree, base_args, parity=True),
                          ServerRequest("head-parity", head_tree, head_args, parity=True)]
+        else:  # the audit scores both sides on a server that is neither, as a run's does: a GPU server scores its
+            # own outputs closest (near ties ranked by the kernels it picked), so the baseline would favour itself
+            requests.append(ServerRequest("reference", base_tree, base_args))
+        check_model_fits(task, model_dir, [(r.name, {**r.args, **task.parity.args} if r.parity else r.args)
+                                           for r in requests])
         servers = Servers(pool, progress).start(requests)
         cells = Cells(target, plan, servers, vocab, repetitions)
         progress.cells(len(plan.cells))
