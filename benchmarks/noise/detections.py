@@ -14,6 +14,7 @@ decides nothing, and at a stop the rule chose it is descriptive, not a confidenc
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 from collections import defaultdict
@@ -67,14 +68,15 @@ def tally(rows: list[dict], confidence: float, estimator: str = TRIMMED) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("studies", nargs="+", help="noise.json files")
+    ap.add_argument("studies", nargs="+", help="noise.json files (or their gzip)")
     ap.add_argument("--confidence", type=float, default=0.95)
     ap.add_argument("--estimator", choices=ESTIMATORS, default=TRIMMED, help="the rule's (the task's benchmark.estimator)")
     ap.add_argument("--rows", action="store_true", help="print every benchmark too")
     a = ap.parse_args()
     rows = []
     for path in a.studies:
-        rows += json.load(open(path))["benchmarks"]
+        raw = open(path, "rb").read()  # as written, or gzipped as kept in benchmarks/results/raw
+        rows += json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)["benchmarks"]
     if a.rows:
         for r in rows:
             if "not_counted" in r:
