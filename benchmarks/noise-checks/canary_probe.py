@@ -19,11 +19,12 @@ correlation of the pass's log seconds with its canaries' across passes. Writes e
 canary.json in the run's folder.
 
     [CANARY_S=0.1] python3 benchmarks/noise-checks/canary_probe.py [PAIRS] [aa|step]
-    python3 benchmarks/noise-checks/canary_probe.py analyse RUN/canary.json
+    python3 benchmarks/noise-checks/canary_probe.py analyse RUN/canary.json   # or a raw .json.gz
 
 aa: two servers of one tree. step: B is the tree with step-5pct-slower-vllm-0.32.0.patch (1.053x slower by
 construction). From the project root."""
 import asyncio
+import gzip
 import json
 import math
 import os
@@ -42,6 +43,7 @@ from agent.stages.bench import timed_pass  # noqa: E402
 from agent.stages.load import LoadClient  # noqa: E402
 from sandbox.local import LocalSandbox  # noqa: E402
 from tests.real_vllm import probe_tree, real_vllm_spec  # noqa: E402
+from duet_probe import step_tree  # noqa: E402  (beside this file: the tree with the calibrated 5% step)
 
 CANARY_S = float(os.environ.get("CANARY_S", "0.1"))
 """Seconds of each canary (both kernels, on each core at once); the environment's CANARY_S sets it."""
@@ -100,17 +102,6 @@ class Canary:
             p.stdin.close(); p.wait(10)
 
 
-def step_tree(base: Path, tree: Path) -> Path:
-    from agent.stages.build import build
-    slow = base / "tree-step5"
-    if not slow.exists():
-        subprocess.run(["git", "-C", str(tree), "worktree", "add", "--detach", str(slow), "HEAD"], check=True)
-        subprocess.run(["git", "-C", str(slow), "apply",
-                        str(ROOT / "benchmarks/noise-checks/step-5pct-slower-vllm-0.32.0.patch")], check=True)
-        build(0, slow, [])
-    return slow
-
-
 def run(pairs: int, kind: str) -> Path:
     base, tree = probe_tree("canary-probe")
     tree_b = step_tree(base, tree) if kind == "step" else tree
@@ -155,7 +146,8 @@ def run(pairs: int, kind: str) -> Path:
 
 
 def analyse(path: Path) -> list[dict]:
-    data = json.loads(Path(path).read_text())
+    raw = Path(path).read_bytes()  # as written, or gzipped as kept in benchmarks/results/raw
+    data = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
     passes, canaries = data["passes"], data["canaries"]
     kernels = [k for k in canaries[0] if k != "at"]
     for i, p in enumerate(passes):  # canary i before pass i, i + 1 after it
