@@ -363,8 +363,7 @@ def _measure(target: Target, plan: GridPlan, model_dir: Path, base_args: dict, h
         else:  # the audit scores both sides on a server that is neither, as a run's does: a GPU server scores its
             # own outputs closest (near ties ranked by the kernels it picked), so the baseline would favour itself
             requests.append(ServerRequest("reference", base_tree, base_args))
-        check_model_fits(task, model_dir, [(r.name, {**r.args, **task.parity.args} if r.parity else r.args)
-                                           for r in requests])
+        check_model_fits(task, model_dir, [(r.name, pool.spec(r).engine_args) for r in requests])  # as started
         servers = Servers(pool, progress).start(requests)
         cells = Cells(target, plan, servers, vocab, repetitions)
         progress.cells(len(plan.cells))

@@ -24,7 +24,6 @@ canary.json in the run's folder.
 aa: two servers of one tree. step: B is the tree with step-5pct-slower-vllm-0.32.0.patch (1.053x slower by
 construction). From the project root."""
 import asyncio
-import gzip
 import json
 import math
 import os
@@ -43,7 +42,7 @@ from agent.stages.bench import timed_pass  # noqa: E402
 from agent.stages.load import LoadClient  # noqa: E402
 from sandbox.local import LocalSandbox  # noqa: E402
 from tests.real_vllm import probe_tree, real_vllm_spec  # noqa: E402
-from duet_probe import step_tree  # noqa: E402  (beside this file: the tree with the calibrated 5% step)
+from duet_probe import load_json, step_tree  # noqa: E402  (beside this file)
 
 CANARY_S = float(os.environ.get("CANARY_S", "0.1"))
 """Seconds of each canary (both kernels, on each core at once); the environment's CANARY_S sets it."""
@@ -146,8 +145,7 @@ def run(pairs: int, kind: str) -> Path:
 
 
 def analyse(path: Path) -> list[dict]:
-    raw = Path(path).read_bytes()  # as written, or gzipped as kept in benchmarks/results/raw
-    data = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+    data = load_json(path)
     passes, canaries = data["passes"], data["canaries"]
     kernels = [k for k in canaries[0] if k != "at"]
     for i, p in enumerate(passes):  # canary i before pass i, i + 1 after it

@@ -172,11 +172,16 @@ def row(sides, blocks, turn: float, metric: str) -> dict:
             "tokens_per_s": {w: round(totals[w][0] / totals[w][1], 1) for w in "AB"}}
 
 
-def reanalyse(path: Path, turn_lengths: list[float]) -> list[dict]:
-    """The rows again from a run's duet.json (or its gzip, as kept in benchmarks/results/raw)."""
+def load_json(path: Path):
+    """A probe's JSON as written, or gzipped as kept in benchmarks/results/raw."""
     import gzip
     raw = Path(path).read_bytes()
-    data = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+    return json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+
+
+def reanalyse(path: Path, turn_lengths: list[float]) -> list[dict]:
+    """The rows again from a run's duet.json (or its gzip)."""
+    data = load_json(path)
     blocks = [(length, turns) for length, turns in data["blocks"]]
     sides = {w: type("S", (), {"events": [tuple(e) for e in data["events"][w]]})() for w in "AB"}
     return [row(sides, blocks, turn, metric) for turn in turn_lengths for metric in ("total", "output")]
