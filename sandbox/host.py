@@ -125,6 +125,16 @@ def major_faults(pid: int | None) -> int | None:
     return None if pid is None else _tree_sum(pid, (9, 10))  # majflt, cmajflt
 
 
+def cpu_pressure_s() -> float | None:
+    """Seconds so far in which some runnable task of the machine waited for a CPU (/proc/pressure/cpu, "some");
+    None where the kernel has no pressure accounting."""
+    try:
+        line = Path("/proc/pressure/cpu").read_text().split("\n", 1)[0]
+        return int(line.rsplit("total=", 1)[1]) / 1e6
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def machine_cpu() -> tuple[float, float] | None:
     """(CPU seconds every process of the machine used, CPU seconds stolen by the hypervisor) so far, all cores
     together (/proc/stat); None where /proc/stat is absent."""

@@ -128,7 +128,8 @@ class LocalServer(Reachable):
     def hold(self, frozen: bool) -> None:
         """Its process group and its process tree (a process that left the group is still its leader's
         descendant, unless it was orphaned: the local backend is no containment, see docs/sandbox.md)."""
-        hold_processes(lambda: set(_group_members(self.process.pid)) | process_tree(self.process.pid), frozen)
+        if _group_is_ours(self.process):
+            hold_processes(lambda: set(_group_members(self.process.pid)) | process_tree(self.process.pid), frozen)
 
     def answers_itself(self) -> bool:
         """Whether the socket listening on this server's port is held by one of its own processes: a port is
@@ -154,7 +155,18 @@ class LocalServer(Reachable):
         return outcome
 
 
+def _group_is_ours(process: subprocess.Popen) -> bool:
+    """Whether process group `process.pid` is still the server's. Until its leader is waited for, its pid (and so
+    the group's id) is no one else's; once it is, another process may get that pid and, a session leader, the
+    group id too (pids wrap within seconds where a fork bomb spends them: at pid_max 32768 every failed fork beside
+    a pids limit takes one), and a hold or a kill would reach that stranger. Then the group is the server's only
+    while no process runs on the leader's pid: its leftovers hold the id, a stranger cannot have it."""
+    return process.returncode is None or not running(process.pid)
+
+
 def _kill_group(process: subprocess.Popen, grace_s: float) -> None:
+    if not _group_is_ours(process):
+        return
     try:
         os.killpg(process.pid, signal.SIGTERM)
     except ProcessLookupError:
@@ -163,10 +175,11 @@ def _kill_group(process: subprocess.Popen, grace_s: float) -> None:
         process.wait(grace_s)
     except subprocess.TimeoutExpired:
         pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    if _group_is_ours(process):  # waited for now, maybe: its pid may be another's already
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     process.wait()
 
 

@@ -45,6 +45,14 @@ def mode(name: str, delay_s: float = 0.01, **extra) -> str:
     return json.dumps({"mode": name, "delay_s": delay_s, **extra})
 
 
+REQUEST_TIMEOUT_S = 60
+"""The stand-ins' request timeout. A stand-in pass takes about 0.1 s, and a test that wants a wedged server caught sets
+benchmark.stall_timeout_s; this only bounds a hang. It was 10 s, and on a CI machine whose two cores ran the heavy
+tier's vLLM and the contained tier's fork bombs beside it, one pass's connections once took longer than that
+(ConnectTimeout, 1 of 3 clean-clone runs); a failed pass now records how long it ran, the harness's CPU in it and
+the machine's CPU pressure (agent/stages/bench.py, failure_circumstances)."""
+
+
 def fake_task(checkout: Path, model: Path, patches: Path, **overrides):
     task = load_task(ROOT / "tasks" / "gemma4-tiny-cpu.yaml")
     sections = dict(
@@ -56,7 +64,7 @@ def fake_task(checkout: Path, model: Path, patches: Path, **overrides):
         parity={"num_prompts": 4, "input_len": 8, "max_tokens": 8, "regime": "sequential"},
         # Passes of 8 short requests take ~0.1 s, where the client's fixed costs per pass (event loop,
         # connections) keep it busy 50-95% of the time: the busy limit is off here; its own test sets it.
-        benchmark={"warmup_requests": 2, "repetitions": 8, "request_timeout_s": 10, "max_client_busy": 1.0},
+        benchmark={"warmup_requests": 2, "repetitions": 8, "request_timeout_s": REQUEST_TIMEOUT_S, "max_client_busy": 1.0},
         budget={"max_candidates": 10})
     merged = {**sections, **overrides}
     # tests/run/test_noise_floor.py runs the A/A. No settle wait before each pass (at least one 0.25 s window of both

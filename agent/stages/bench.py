@@ -25,7 +25,7 @@ from agent.world.task import Task
 from agent.stages.token_audit import Output
 from sandbox.base import Server
 from sandbox import priority
-from sandbox.host import cpu_seconds, machine_cpu, major_faults, server_pid
+from sandbox.host import cpu_pressure_s, cpu_seconds, machine_cpu, major_faults, server_pid, snapshot
 from traces.log import raise_pending
 from traces.schema import BenchReport, Sample
 
@@ -68,10 +68,11 @@ class PassFailed(RequestError):
     """A timed pass's server failed to answer (an error, a dead process, or no token on any stream for
     benchmark.stall_timeout_s): which side it was, so that a hung incumbent is not blamed on the candidate."""
 
-    def __init__(self, role: str, server: str, repetition: int, cause: BaseException):
+    def __init__(self, role: str, server: str, repetition: int, cause: BaseException, circumstances: str = ""):
         self.role, self.server, self.repetition = role, server, repetition
         detail = str(cause) or type(cause).__name__
-        super().__init__(f"the {role}'s server {server} failed in repetition {repetition}: {detail}")
+        circumstances = f" ({circumstances})" if circumstances else ""
+        super().__init__(f"the {role}'s server {server} failed in repetition {repetition}: {detail}{circumstances}")
 
 
 @dataclass
@@ -131,11 +132,35 @@ def pass_size(task: Task, wave_seconds: float | None = None) -> int:
 
 async def answered(load: LoadClient, server: Server, role: str, repetition: int, prompts: list[list[int]],
                    output_len: int, concurrency: int | None, timeout_s: float, stall_s: float | None):
-    """The load run of one pass (or warm-up, repetition -1); a failure to answer names the side."""
+    """The load run of one pass (or warm-up, repetition -1); a failure to answer names the side, and what the
+    harness and the machine did meanwhile (failure_circumstances)."""
+    started, own_cpu, waited = time.perf_counter(), time.process_time(), cpu_pressure_s()
     try:
         return await load.run(server.endpoint, prompts, output_len, concurrency, timeout_s, stall_s)
     except ANSWER_ERRORS as exc:
-        raise PassFailed(role, server.name, repetition, exc) from None
+        raise PassFailed(role, server.name, repetition, exc,
+                         failure_circumstances(server, started, own_cpu, waited)) from None
+
+
+def failure_circumstances(server: Server, started: float, own_cpu: float, waited: float | None) -> str:
+    """For a pass that failed: how long it ran, the harness's own CPU seconds in it (near 0 over a long wait: the
+    harness did not run, stopped or starved), the share of it in which some task of the machine waited for a CPU
+    (near 100%: the machine was oversubscribed), and the states of the server's processes (T: stopped)."""
+    wall = time.perf_counter() - started
+    parts = [f"after {wall:.1f} s, the harness ran {time.process_time() - own_cpu:.2f} s of CPU"]
+    now = cpu_pressure_s()
+    if waited is not None and now is not None and wall > 0:
+        parts.append(f"a task waited for a CPU {min(1.0, (now - waited) / wall):.0%} of it")
+    try:  # a record of the failure, never a second one
+        code = server.exit_code()
+        if code is not None:
+            parts.append(f"the server exited with {code}")
+        else:
+            states = [p.get("state", "?").split()[0] for p in snapshot(server_pid(server))["processes"]]
+            parts.append(f"the server's processes: {' '.join(states) or 'none seen'}")
+    except Exception as exc:  # noqa: BLE001
+        parts.append(f"the server's processes unknown ({type(exc).__name__})")
+    return "; ".join(parts)
 
 
 async def settle(pids: dict[int, str], max_wait_s: float) -> tuple[float, dict[str, float]]:

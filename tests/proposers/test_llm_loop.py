@@ -20,7 +20,7 @@ from agent.world.task import parse_task
 from fake_openai_server import FakeOpenAI
 from scripted_models import call, numbered, turn
 from tests.fake_sandbox import FakeSandbox
-from tests.stand_in import VERSION, fake_task, mode
+from tests.stand_in import REQUEST_TIMEOUT_S, VERSION, fake_task, mode
 from traces import read_trace
 
 
@@ -45,7 +45,7 @@ def llm_run(tmp_path, checkout, model, script):
     with FakeOpenAI(script=script) as server:
         # 8 pairs, not 5: a keep is confirmed, and one stalled pass of 5 on a busy 2-core host can sink it
         task = fake_task(checkout, model, tmp_path, budget={"max_candidates": 1},
-                         benchmark={"warmup_requests": 2, "repetitions": 8, "request_timeout_s": 10,
+                         benchmark={"warmup_requests": 2, "repetitions": 8, "request_timeout_s": REQUEST_TIMEOUT_S,
                                     "max_client_busy": 1.0},
                          proposer={"kind": "llm", "base_url": server.base_url, "model": "scripted",
                                    "api_key_env": None, "profile": False, "tools": "native", "request_timeout_s": 10,

@@ -13,14 +13,14 @@ import pytest
 from agent.face.report import review_tables, write_summary
 from agent.replay.chain import audit
 from agent.replay.evidence import check_decisions
-from tests.stand_in import decisions, mode, new_file_patch
+from tests.stand_in import REQUEST_TIMEOUT_S, decisions, mode, new_file_patch
 from traces import TraceError, read_trace
 
 pytestmark = [pytest.mark.paced, pytest.mark.slow]  # paced: keeps are measured speed of fake servers far apart; each a
 # fake run of 30-90 s
 
 CPU_RATE = 0.035
-PAIRS = {"warmup_requests": 2, "repetitions": 8, "request_timeout_s": 10, "max_client_busy": 1.0}
+PAIRS = {"warmup_requests": 2, "repetitions": 8, "request_timeout_s": REQUEST_TIMEOUT_S, "max_client_busy": 1.0}
 """The fading candidates' benchmarks: a fixed 8 pairs of 8 requests (the stand-ins' own since). At 5, one starved
 pass in a loaded paced tier turned a 4x keep's confirmation into 2.31x [0.80, 6.72] (the paired t of 5 pairs, 4
 degrees of freedom: nothing is trimmed under 10)."""

@@ -3,6 +3,7 @@
 No vLLM or torch is needed: the checkout is a real git repo of a pure-Python stand-in, and the servers
 are tests/fake_vllm.py processes (a causal stand-in model on loopback)."""
 import json
+import re
 from pathlib import Path
 
 import git
@@ -17,7 +18,7 @@ from agent.run.worker import Worker
 from agent.stages.parity import ReferenceFailed
 from agent.face.report import write_summary
 from agent.world.task import load_task
-from tests.stand_in import decisions, mode, new_file_patch, stopped_once
+from tests.stand_in import REQUEST_TIMEOUT_S, decisions, mode, new_file_patch, stopped_once
 from traces import TraceError, read_trace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,7 +43,8 @@ def test_each_candidate_is_judged_at_the_right_stage(run):
         "9-hang.patch": new_file_patch("vllm/fake_mode_9.json", mode("hang"), "never answers"),
         # 5 pairs, up to 12 where the sequential rule has not decided: one stall of a loaded machine made the 4x
         # faster candidate's confirmation 1.87x [0.58, 6.06] at 5 pairs
-    }, benchmark={"warmup_requests": 2, "repetitions": 5, "max_repetitions": 12, "request_timeout_s": 10,
+        # the hanging one is caught by the request timeout at parity: it costs that timeout, so 20 s here
+    }, benchmark={"warmup_requests": 2, "repetitions": 5, "max_repetitions": 12, "request_timeout_s": 20,
                   "max_client_busy": 1.0})
     finished = loop.run()
     got = decisions(setup)
@@ -104,7 +106,7 @@ def test_near_tie_flips_where_honest_numerics_flip_none_are_rejected_by_rate(run
     setup, loop = run({
         "1-neartie.patch": new_file_patch("vllm/fake_mode_1.json", mode("neartie", 0.0025, near_tie=0.1),
                                           "faster, flips near-ties in batches"),
-    }, benchmark={"warmup_requests": 2, "repetitions": 8, "request_timeout_s": 10, "max_client_busy": 1.0})
+    }, benchmark={"warmup_requests": 2, "repetitions": 8, "request_timeout_s": REQUEST_TIMEOUT_S, "max_client_busy": 1.0})
     finished = loop.run()
     decision = decisions(setup)[1]
     assert (decision.verdict, decision.stage) == ("discard", "audit"), decision.reason
@@ -131,7 +133,7 @@ def test_a_change_close_to_exact_fails_the_cpu_tasks_parity_and_an_exact_one_pas
         "2-fast.patch": new_file_patch("vllm/fake_mode_2.json", mode("exact", 0.0025), "faster, same tokens"),
     }, parity={"num_prompts": cpu.num_prompts, "input_len": cpu.input_len, "max_tokens": cpu.max_tokens,
                "regime": cpu.regime},
-        benchmark={"warmup_requests": 2, "repetitions": 5, "max_repetitions": 12, "request_timeout_s": 10,
+        benchmark={"warmup_requests": 2, "repetitions": 5, "max_repetitions": 12, "request_timeout_s": REQUEST_TIMEOUT_S,
                    "max_client_busy": 1.0})
     finished = loop.run()
     got = decisions(setup)
@@ -222,7 +224,7 @@ def test_dedicated_parity_servers_start_beside_the_production_ones(run):
     setup, loop = run(
                       {"1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster")},
                       parity=DEDICATED,
-                      benchmark={"warmup_requests": 2, "repetitions": 8, "request_timeout_s": 10,
+                      benchmark={"warmup_requests": 2, "repetitions": 8, "request_timeout_s": REQUEST_TIMEOUT_S,
                                  "max_client_busy": 1.0, "client_processes": 2})
     finished = loop.run()
     assert finished.kept == 1, decisions(setup)[1].reason
@@ -320,7 +322,7 @@ def test_a_production_start_that_fails_while_parity_runs_stops_parity_there(run,
 def test_a_pass_whose_client_was_too_busy_is_not_trusted(run):
     setup, loop = run(
                       {"1-fast.patch": new_file_patch("vllm/fake_mode_1.json", mode("exact", 0.0025), "faster")},
-                      benchmark={"warmup_requests": 2, "repetitions": 5, "request_timeout_s": 10,
+                      benchmark={"warmup_requests": 2, "repetitions": 5, "request_timeout_s": REQUEST_TIMEOUT_S,
                                  "max_client_busy": 0.001})
     loop.run()
     decision = decisions(setup)[1]
@@ -431,6 +433,7 @@ def test_a_candidate_that_freezes_mid_benchmark_crashes_there_and_the_run_goes_o
     got = decisions(setup)
     assert (got[1].verdict, got[1].stage) == ("crash", "benchmark"), got[1].reason
     assert "the candidate's server candidate-1 failed in repetition 0" in got[1].reason
+    assert re.search(r"\(after \d+\.\d s, the harness ran \d+\.\d\d s of CPU.*; the server's processes: \w", got[1].reason)
     assert "1 process, " in got[1].reason and "threads" in got[1].reason
     assert (got[2].verdict, got[2].stage) == ("keep", "decision"), got[2].reason
     kinds = [r.event.kind for r in read_trace(setup.run_dir / "trace.jsonl")]

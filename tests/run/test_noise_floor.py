@@ -7,10 +7,10 @@ import pytest
 from agent.replay.chain import audit
 from agent.replay.evidence import check_decisions
 from agent.face.report import review_tables, write_summary
-from tests.stand_in import mode, new_file_patch, stopped_once
+from tests.stand_in import REQUEST_TIMEOUT_S, mode, new_file_patch, stopped_once
 from traces import TraceError, read_trace
 
-BENCH = {"warmup_requests": 2, "repetitions": 4, "request_timeout_s": 10, "max_client_busy": 1.0, "noise_floor": True}
+BENCH = {"warmup_requests": 2, "repetitions": 4, "request_timeout_s": REQUEST_TIMEOUT_S, "max_client_busy": 1.0, "noise_floor": True}
 
 
 pytestmark = pytest.mark.serial  # serial: A/A benchmarks measure the host's noise

@@ -27,7 +27,7 @@ from agent.world.task import FlagsProposer as FlagsConfig
 from agent.world.task import parse_task
 from tests.conftest import once_per_session
 from tests.fake_sandbox import FakeSandbox
-from tests.stand_in import fake_task, mode, new_file_patch
+from tests.stand_in import REQUEST_TIMEOUT_S, fake_task, mode, new_file_patch
 from traces import read_trace
 from traces.log import CRASH_ENV
 from traces.schema import Decision, Proposal, Record
@@ -88,7 +88,7 @@ def write_task_file(tmp_path_factory, checkout: Path, model: Path, patches: dict
                      acceptance={"min_speedup": 1.05, "confidence": 0.95, "confirmations": 0},
                      # 6 pairs, up to 12 where the sequential rule has not decided (a busy machine's spread)
                      benchmark={"warmup_requests": 2, "repetitions": 6, "max_repetitions": 12,
-                                "request_timeout_s": 10, "max_client_busy": 1.0}, **overrides)
+                                "request_timeout_s": REQUEST_TIMEOUT_S, "max_client_busy": 1.0}, **overrides)
     path = folder.parent / "task.json"
     path.write_text(task.model_dump_json())
     return path

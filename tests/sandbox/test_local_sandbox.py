@@ -14,7 +14,7 @@ import pytest
 from sandbox.base import SandboxError, ServerSpec, serve_argv
 from sandbox.host import (OWNER_ENV, cpu_seconds, marked_processes, process_identity, running, server_marks,
                           start_time)
-from sandbox.local import (RECORDER, LocalSandbox, LocalServer, free_port, record_server,
+from sandbox.local import (RECORDER, LocalSandbox, LocalServer, _group_members, free_port, record_server,
                            server_env, wait_healthy)
 
 
@@ -530,3 +530,64 @@ def test_a_local_candidate_reaches_the_runs_other_processes_and_files(tmp_path):
     assert set(told["paths"]) == set(seen["read"]), seen
     assert told["answers"], told
 
+
+
+NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
+
+
+def _on_pid(pid: int) -> subprocess.Popen:
+    """A process in a session of its own on PID (free now): the kernel hands out ns_last_pid + 1 next."""
+    NS_LAST_PID.write_text(str(pid - 1))
+    process = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    if process.pid != pid:
+        process.kill()
+        process.wait()
+        pytest.skip(f"pid {pid} went to another process first")
+    return process
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_server_waited_for_never_reaches_the_process_that_took_its_pid(tmp_path):
+    """Pids wrap within seconds beside a fork bomb (every failed fork under a pids limit takes one; pid_max is
+    32768 here), so the pid of a server that died and was waited for can be a stranger's, a session leader
+    whose group id is that pid. Holding the dead server (the idle side of a pair) or stopping it must not stop
+    or kill the stranger."""
+    if os.geteuid() != 0 or not os.access(NS_LAST_PID, os.W_OK):
+        pytest.skip("choosing a pid needs root in the host's pid namespace (ns_last_pid)")
+    server = _server(tmp_path, "import time; time.sleep(600)")
+    os.killpg(server.process.pid, signal.SIGTERM)
+    server.process.wait()
+    assert not server.alive()  # it died, and its exit was collected: its pid is free
+    stranger = _on_pid(server.process.pid)
+    try:
+        server.hold(True)
+        time.sleep(0.1)
+        assert _state(stranger.pid) != "T"
+        assert server.stop() == "crash"
+        assert stranger.poll() is None and _state(stranger.pid) != "T"
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_a_dead_leaders_leftovers_are_still_held_and_killed(tmp_path):
+    """The other way: a server whose leader was waited for but whose children still run in its group (no one
+    else can have the group's id then) is held and killed whole."""
+    server = _server(tmp_path, "import subprocess, time; subprocess.Popen(['sleep', '600']); time.sleep(600)")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and len(_group_members(server.process.pid)) < 2:
+        time.sleep(0.05)
+    os.kill(server.process.pid, signal.SIGTERM)
+    server.process.wait()
+    [child] = _group_members(server.process.pid)
+    server.hold(True)
+    assert _state(child) == "T"
+    server.hold(False)
+    assert server.stop() == "crash"
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and running(child):
+        time.sleep(0.05)
+    assert not running(child)

@@ -16,7 +16,7 @@ from agent.replay.evidence import check_decisions
 from agent.run.baseline import AuditNotCalibrated
 from agent.world.task import Audit, load_task
 from agent.stages.token_audit import EPSILON_NATS, judge
-from tests.stand_in import decisions, loop_maker, mode, new_file_patch, stand_in_checkout
+from tests.stand_in import REQUEST_TIMEOUT_S, decisions, loop_maker, mode, new_file_patch, stand_in_checkout
 from traces import TraceError, read_trace
 from traces.schema import AuditSide
 
@@ -216,7 +216,7 @@ def test_candidates_that_would_fool_a_fixed_tolerance_are_rejected(noisy_run):
                   sparse_every=16),
         candidate(5, "batched", 0.004, "right alone, wrong in batches"),
     ])
-    setup, loop = noisy_run(patches, benchmark={"warmup_requests": 2, "repetitions": 8, "request_timeout_s": 10,
+    setup, loop = noisy_run(patches, benchmark={"warmup_requests": 2, "repetitions": 8, "request_timeout_s": REQUEST_TIMEOUT_S,
                                                 "max_client_busy": 1.0})
     loop.run()
     got, audits = decisions(setup), audits_of(setup)

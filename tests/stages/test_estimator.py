@@ -3,6 +3,9 @@ replay re-derives decisions by the estimator that made them; and the engine-step
 import asyncio
 import json
 import math
+import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -13,8 +16,9 @@ import numpy as np
 import pytest
 
 from agent.replay.evidence import _check_report, task_estimator
-from agent.stages.bench import engine_counts, parse_steps
+from agent.stages.bench import PassFailed, answered, engine_counts, parse_steps
 from agent.stages.completions import complete_all
+from agent.stages.load import LoadClient
 from agent.stages.stats import (MEAN_T, TRIMMED, accepts, off_schedule, order_signs, sequential_estimate, simulate,
                                 tokens_per_step, trimmed_statistics)
 from agent.world.task import Acceptance
@@ -263,3 +267,44 @@ def test_a_pass_records_the_machine_beside_the_server(tmp_path):
     assert rate > 0.4, rate  # on 2 cores beside a fake server that sleeps for its work, it has a core nearly alone
     assert foreign >= 0.8 * spun - 0.1, (foreign, spun, sample.seconds)
     assert flagged, (foreign / sample.seconds, sample.flags)
+
+
+class _Held(_Server):
+    """A fake server as the harness holds it: its process, for the failure's record."""
+
+    def __init__(self, process, endpoint):
+        super().__init__(endpoint)
+        self.name, self.process = "baseline-2", process
+
+    def exit_code(self):
+        return self.process.poll()
+
+
+def test_a_failed_pass_records_what_the_harness_and_the_server_did_meanwhile(tmp_path):
+    """A pass that times out says how long it ran, the harness's own CPU in it (near 0 over a long wait: the harness
+    did not run) and the server's process states: a server stopped (T) is told from a machine that starved the
+    harness; a dead one says so."""
+    process, endpoint = _fake_server(tmp_path)
+    server = _Held(process, endpoint)
+
+    async def one_pass():
+        with LoadClient(1) as load:
+            await answered(load, server, "incumbent", 3, [[5, 6, 7, 8]] * 2, 4, None, 1.0, None)
+
+    try:
+        asyncio.run(one_pass())  # answers while it runs
+        os.kill(process.pid, signal.SIGSTOP)
+        with pytest.raises(PassFailed) as stopped:
+            asyncio.run(one_pass())
+        text = str(stopped.value)
+        assert text.startswith("the incumbent's server baseline-2 failed in repetition 3: ReadTimeout (after ")
+        assert re.search(r"after \d+\.\d s, the harness ran \d+\.\d\d s of CPU", text), text
+        assert text.endswith("the server's processes: T)"), text
+        if Path("/proc/pressure/cpu").exists():
+            assert "a task waited for a CPU " in text
+    finally:
+        process.kill()
+        process.wait()
+    with pytest.raises(PassFailed) as dead:
+        asyncio.run(one_pass())
+    assert str(dead.value).endswith(f"the server exited with {-signal.SIGKILL})"), dead.value

@@ -9,14 +9,14 @@ from agent.face.cli import app
 from agent.studies.noise_study import study
 from agent.run.setup import prepare_run
 from tests.fake_sandbox import FakeSandbox
-from tests.stand_in import ROOT, VERSION, fake_task, mode, new_file_patch
+from tests.stand_in import REQUEST_TIMEOUT_S, ROOT, VERSION, fake_task, mode, new_file_patch
 from traces import read_trace
 
 
 pytestmark = pytest.mark.serial  # serial: repeated A/As and a known slowdown measure the host's noise
 
 
-STUDY_SETTINGS = dict(benchmark={"warmup_requests": 2, "repetitions": 4, "request_timeout_s": 10,
+STUDY_SETTINGS = dict(benchmark={"warmup_requests": 2, "repetitions": 4, "request_timeout_s": REQUEST_TIMEOUT_S,
                                  "max_client_busy": 1.0},
                       acceptance={"min_speedup": 1.3, "confidence": 0.95, "confirmations": 0})
 """The studies' fake task: 4 pairs a benchmark, stand-ins' effects many times their noise."""

@@ -5,7 +5,7 @@ import pytest
 from agent.face.verify_view import NoProgress
 from agent.studies.verify import checkout_target, verify
 from tests.fake_sandbox import FakeSandbox
-from tests.stand_in import fake_task, mode, stand_in_checkout
+from tests.stand_in import REQUEST_TIMEOUT_S, fake_task, mode, stand_in_checkout
 
 pytestmark = pytest.mark.serial  # serial: verify's cells are benchmarks of fake servers
 
@@ -23,7 +23,7 @@ def test_verify_of_servers_that_rank_near_ties_each_their_own_way_passes_its_aud
     repo.git.add("-A")
     repo.git.commit("-qm", "a module no server imports")
     task = fake_task(checkout, fake_model, tmp_path, benchmark={"warmup_requests": 2, "repetitions": 4,
-                                                                "request_timeout_s": 10, "max_client_busy": 1.0})
+                                                                "request_timeout_s": REQUEST_TIMEOUT_S, "max_client_busy": 1.0})
     assert not task.parity.dedicated
     target = checkout_target(checkout, "HEAD~1", "HEAD", task, tmp_path / "runs")
     sandbox = FakeSandbox(tmp_path / "servers")
