@@ -49,8 +49,11 @@ REQUEST_TIMEOUT_S = 60
 """The stand-ins' request timeout. A stand-in pass takes about 0.1 s, and a test that wants a wedged server caught sets
 benchmark.stall_timeout_s; this only bounds a hang. It was 10 s, and on a CI machine whose two cores ran the heavy
 tier's vLLM and the contained tier's fork bombs beside it, one pass's connections once took longer than that
-(ConnectTimeout, 1 of 3 clean-clone runs); a failed pass now records how long it ran, the harness's CPU in it and
-the machine's CPU pressure (agent/stages/bench.py, failure_circumstances)."""
+(ConnectTimeout, 1 of 3 clean-clone runs). Which process stalled it was not recorded; a mechanism that fits was
+found and closed: beside the fork bombs pids wrap in seconds, and holding a local server whose pid another process's
+thread had taken stopped that whole process, a neighbouring test's harness included (sandbox/local.py,
+_group_is_ours; tests/sandbox/test_local_sandbox.py). A failed pass now records how long it ran, the harness's CPU
+in it, the machine's CPU pressure and the server's process states (agent/stages/bench.py, failure_circumstances)."""
 
 
 def fake_task(checkout: Path, model: Path, patches: Path, **overrides):

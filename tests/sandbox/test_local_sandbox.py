@@ -534,34 +534,54 @@ def test_a_local_candidate_reaches_the_runs_other_processes_and_files(tmp_path):
 
 NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
 
+THREAD_ON_CUE = """
+import sys, threading, time
+sys.stdin.readline()
+threading.Thread(target=lambda: (print(threading.get_native_id(), flush=True), time.sleep(60)), daemon=True).start()
+time.sleep(60)
+"""
 
-def _on_pid(pid: int) -> subprocess.Popen:
-    """A process in a session of its own on PID (free now): the kernel hands out ns_last_pid + 1 next."""
-    NS_LAST_PID.write_text(str(pid - 1))
-    process = subprocess.Popen(["sleep", "60"], start_new_session=True)
-    if process.pid != pid:
+
+def _stranger_on(pid: int, kind: str) -> tuple[subprocess.Popen, int]:
+    """A process that has PID (free now) as its own, in a session of its own (`session`), or as a thread's id
+    (`thread`: kill() with a thread's id signals its whole process): the kernel hands out ns_last_pid + 1 next."""
+    if kind == "thread":  # a harness-like process, already running, that starts a thread on cue
+        process = subprocess.Popen([sys.executable, "-c", THREAD_ON_CUE], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        NS_LAST_PID.write_text(str(pid - 1))
+        process.stdin.write("go\n")
+        process.stdin.flush()
+        got = int(process.stdout.readline())
+    else:
+        NS_LAST_PID.write_text(str(pid - 1))
+        process = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        got = process.pid
+    if got != pid:
         process.kill()
         process.wait()
         pytest.skip(f"pid {pid} went to another process first")
-    return process
+    return process, got
 
 
 def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
-def test_a_server_waited_for_never_reaches_the_process_that_took_its_pid(tmp_path):
-    """Pids wrap within seconds beside a fork bomb (every failed fork under a pids limit takes one; pid_max is
-    32768 here), so the pid of a server that died and was waited for can be a stranger's, a session leader
-    whose group id is that pid. Holding the dead server (the idle side of a pair) or stopping it must not stop
-    or kill the stranger."""
+@pytest.mark.parametrize("kind", ["session", "thread"])
+def test_a_server_waited_for_never_reaches_the_process_that_took_its_pid(tmp_path, kind):
+    """Pids wrap within seconds beside a fork bomb (every failed fork under a pids limit takes one: ~3,000 a
+    second, pid_max 32768 here), so the pid of a server that died and was waited for can be a stranger's: a
+    session leader, whose group id it is, or a thread of another process (a neighbouring harness: kill() with a
+    thread's id stops its whole process). Holding the dead server (the idle side of a pair) or stopping it must
+    not stop or kill the stranger."""
     if os.geteuid() != 0 or not os.access(NS_LAST_PID, os.W_OK):
         pytest.skip("choosing a pid needs root in the host's pid namespace (ns_last_pid)")
     server = _server(tmp_path, "import time; time.sleep(600)")
     os.killpg(server.process.pid, signal.SIGTERM)
     server.process.wait()
     assert not server.alive()  # it died, and its exit was collected: its pid is free
-    stranger = _on_pid(server.process.pid)
+    stranger, pid = _stranger_on(server.process.pid, kind)
     try:
         server.hold(True)
         time.sleep(0.1)
