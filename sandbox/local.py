@@ -159,8 +159,9 @@ def _group_is_ours(process: subprocess.Popen) -> bool:
     """Whether process group `process.pid` is still the server's. Until its leader is waited for, its pid (and so
     the group's id) is no one else's; once it is, another process may get that pid and, a session leader, the
     group id too (pids wrap within seconds where a fork bomb spends them: at pid_max 32768 every failed fork beside
-    a pids limit takes one), and a hold or a kill would reach that stranger. Then the group is the server's only
-    while no process runs on the leader's pid: its leftovers hold the id, a stranger cannot have it."""
+    a pids limit takes one), and a hold or a kill would reach that stranger (a thread of another process too: kill()
+    with a thread's id stops its whole process). Then the group is the server's only while nothing runs on the
+    leader's pid: its leftovers hold the id, a stranger cannot have it."""
     return process.returncode is None or not running(process.pid)
 
 
