@@ -13,7 +13,7 @@ import pytest
 
 from sandbox.base import SandboxError, ServerSpec, serve_argv
 from sandbox.host import (OWNER_ENV, cpu_seconds, marked_processes, process_identity, running, server_marks,
-                          start_time)
+                          start_time, stat_fields)
 from sandbox.local import (RECORDER, LocalSandbox, LocalServer, _group_members, free_port, record_server,
                            server_env, wait_healthy)
 
@@ -565,7 +565,7 @@ def _stranger_on(pid: int, kind: str) -> tuple[subprocess.Popen, int]:
 
 
 def _state(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return stat_fields(pid)[0]
 
 
 @pytest.mark.parametrize("kind", ["session", "thread"])
